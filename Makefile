@@ -10,7 +10,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.megatron-arpo-installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test bench venv slurm-packages clean-venv
+.PHONY: demo test bench venv slurm-packages sandbox-packages clean-venv
 
 venv: $(STAMP)
 
@@ -41,13 +41,28 @@ slurm-packages:
 		echo "Slurm is not installed and this user cannot install it; Slurm tests will be skipped"; \
 	fi
 
-demo: $(STAMP)
+# bubblewrap: every python-tool run is a bwrap sandbox (tools.python.sandbox: required). Installed only
+# as root; otherwise an admin must install it (see the README, "Sandbox").
+sandbox-packages:
+	@if command -v bwrap >/dev/null && command -v prlimit >/dev/null; then \
+		true; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing Debian package bubblewrap (the python tool's sandbox)"; \
+		DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+			bubblewrap util-linux >/dev/null; \
+	else \
+		echo "bubblewrap (bwrap) is not installed and this user cannot install it: ask an admin for the"; \
+		echo "package bubblewrap, or set tools.python.sandbox: best_effort (no isolation of model code)"; \
+	fi
+
+demo: $(STAMP) sandbox-packages
 	$(VENV)/bin/megatron-arpo demo --config configs/demo.yaml
 
-test: $(STAMP) slurm-packages
+test: $(STAMP) slurm-packages sandbox-packages
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
-bench: $(STAMP)
+bench: $(STAMP) sandbox-packages
 	@for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
 clean-venv:

@@ -140,17 +140,23 @@ class AlgorithmSection:
 class PythonToolSection:
     enabled: bool = _f(True)
     tag: str = _f("python", help="the <tag>...</tag> the model writes")
+    sandbox: Literal["required", "best_effort"] = _f(
+        "required", help="required: refuse to start unless every run gets the bubblewrap sandbox; best_effort: "
+        "run code without isolation when it is unavailable (warns at every start)")
     timeout_s: float = _f(10.0, gt=0, help="wall clock per run (keep below tools.timeout_s)")
-    cpu_s: Optional[int] = _f(None, ge=1, help="RLIMIT_CPU; null = ceil(timeout_s)")
-    memory_mb: int = _f(2048, ge=16, help="RLIMIT_AS")
-    file_size_mb: int = _f(32, ge=1, help="RLIMIT_FSIZE")
-    nproc: int = _f(32, ge=1, help="processes/threads the code may add (RLIMIT_NPROC)")
+    cpu_s: Optional[int] = _f(None, ge=1, help="CPU seconds of the whole run and of each process; null = ceil(timeout_s)")
+    memory_mb: int = _f(2048, ge=16, help="memory of the whole run (cgroup, else a meter) and of each process")
+    file_size_mb: int = _f(32, ge=1, help="largest file the code may write (RLIMIT_FSIZE)")
+    disk_mb: int = _f(64, ge=1, help="size of the run's private scratch tmpfs (/tmp, also HOME)")
+    nproc: int = _f(32, ge=1, help="processes/threads the whole run may add (RLIMIT_NPROC in its user namespace)")
     max_output_chars: int = _f(4000, ge=1, help="output shown to the model is truncated beyond this")
     max_capture_bytes: int = _f(1048576, ge=1, help="output read before the run is stopped")
     user: str = _f("nobody", help="account the code runs as when the trainer runs as root")
-    python_executable: Optional[str] = _f(None, help="null = the trainer's interpreter")
-    isolate_network: bool = _f(True)
-    isolate_filesystem: bool = _f(True)
+    python_executable: Optional[str] = _f(None, help="null = the trainer's base interpreter (stdlib only); a venv "
+                                          "made for the model's code exposes its packages read-only")
+    isolate_network: bool = _f(True, help="false shares the host network with the code")
+    cgroup: Literal["auto", "required", "off"] = _f("auto", help="a memory cgroup per run: auto = when one can be had")
+    cgroup_parent: Optional[str] = _f(None, help="delegated cgroup v2 dir (memory in its subtree_control) for the runs")
     auto_print: bool = _f(True, help="print the value of a trailing expression, notebook-style")
 
 

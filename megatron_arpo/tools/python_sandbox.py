@@ -1,66 +1,60 @@
-"""Python code-execution tool with a sandbox (the reference ran model code unconfined, §6.1, Q9).
+"""Python code-execution tool: one isolated, limited bubblewrap run per call (the reference ran model code
+unconfined, §6.1, Q9).
 
-Every call runs the code in a fresh interpreter process, in a fresh working directory that is removed
-afterwards. The confinement is applied by `_sandbox_launcher.py`, which runs first and then execs the
-interpreter (no `preexec_fn`, so this is safe to call from processes that run threads):
+Every call starts a fresh sandbox (containment.py): its own user, PID, mount, IPC, network, UTS and
+cgroup namespaces, a read-only view of the interpreter only, a size-capped private scratch /tmp, no
+capabilities, no_new_privs, never host root. When the program ends, or is stopped, the run's PID
+namespace dies with every process in it. Limits hold for the run as a whole where the kernel allows
+(run_limits.py has the table): processes through RLIMIT_NPROC in the run's own user namespace, memory
+through a cgroup when one can be had, disk through the tmpfs size, CPU time and memory through a meter
+that samples the run's processes; rlimits bound every single process as a backstop.
 
-- rlimits: CPU seconds (SIGXCPU, then SIGKILL one second later), address space, file size, number of
-  processes/threads (fork bombs), no core dumps;
-- no network when the kernel allows `unshare(CLONE_NEWNET)` (root); otherwise the environment still
-  carries no proxy settings, and a log line says the network is reachable;
-- a private mount namespace (root): the whole tree read-only, the working dir bound onto /tmp (so
-  writes to /tmp land in the per-call dir and vanish with it), secrets under non-traversable dirs
-  such as /root hidden;
-- when started as root, the code runs as `user` (default `nobody`), so files readable only by root
-  stay unreadable and nothing outside the working dir is writable;
+`sandbox: required` (the default) refuses to build the tool when bubblewrap cannot run, naming the
+cause (missing package, or the sysctl that disables unprivileged user namespaces). `best_effort` runs
+the code as a plain process with the same rlimits instead, and warns at every start.
+
+Other behaviour:
 - an environment built from scratch (no inherited API keys), one BLAS/OpenMP thread;
-- a wall-clock timeout that kills the whole session, then a sweep that kills any process still
-  carrying this call's marker variable (catches processes that left the session);
-- stdout/stderr read incrementally with a byte cap; past the cap the run is killed and marked
-  truncated; the text shown to the model is cut to `max_output_chars` with a visible marker.
-
-Pre-processing (as the reference, V15): if the last top-level statement is an expression other than a
-bare `print(...)` call, it is wrapped in `print(...)`; code that does not parse is left unchanged.
-Unlike the reference, the wrap splices the source text instead of re-generating it from the AST, so
-line numbers in tracebacks match what the model wrote.
+- a wall-clock timeout; stdout/stderr read incrementally with a byte cap; past the cap the run is
+  stopped and marked truncated; the text shown to the model is cut to `max_output_chars`.
+- Pre-processing (as the reference, V15): if the last top-level statement is an expression other than
+  a bare `print(...)` call, it is wrapped in `print(...)`; code that does not parse is left unchanged.
+  Unlike the reference, the wrap splices the source text instead of re-generating it from the AST, so
+  line numbers in tracebacks match what the model wrote.
 
 Result text: stdout when the exit status is 0 (empty output is a valid result); otherwise stdout
-followed by the tail of stderr (the traceback); runs ended by a signal, a timeout or the output cap get
-a readable message and `error` set. The interpreter runs with `-s -B` rather than `-I` so that
-PYTHONHASHSEED and unbuffered output (partial output survives a kill) can be set through the
-environment, which is built from scratch anyway.
+followed by the tail of stderr (the traceback); runs ended by a signal, a timeout, a limit or the output
+cap get a readable message and `error` set. bwrap reports a death by signal N as exit status 128+N, so
+a program that itself exits with such a status is reported as killed by that signal. The interpreter
+runs with `-s -B` rather than `-I` so that PYTHONHASHSEED and unbuffered output (partial output
+survives a kill) can be set through the environment, which is built from scratch anyway.
 """
 
 from __future__ import annotations
 
 import ast
 import asyncio
+import dataclasses
 import json
 import logging
 import os
-import pwd
-import shutil
 import signal
 import sys
 import tempfile
 import time
-import uuid
 from typing import Optional
 
 from megatron_arpo.tools.base import Tool, ToolResult
+from megatron_arpo.tools.containment import (
+    BASE_TASKS, BWRAP_ENV, BwrapCommand, Limits, RlimitsCommand, SandboxUnavailable, SandboxUser,
+)
+from megatron_arpo.tools.run_limits import METER_INTERVAL_S, RunCgroup, Usage, find_cgroup_parent, sample_usage
 
 logger = logging.getLogger(__name__)
 
-_LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sandbox_launcher.py")
-_MARKER_VAR = "ARPO_SANDBOX_ID"
 _MAX_CODE_BYTES = 100_000  # one argv string may hold at most 128 KiB on Linux
-_warned: set[str] = set()
-
-
-def _warn_once(key: str, message: str, *args) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        logger.warning(message, *args)
+SANDBOX_MODES = ("required", "best_effort")
+CGROUP_MODES = ("auto", "required", "off")
 
 
 def add_auto_print(code: str) -> str:
@@ -106,8 +100,76 @@ _SIGNAL_HINTS = {
 }
 
 
+
+@dataclasses.dataclass
+class _Outcome:
+    stdout: bytes
+    stderr: bytes
+    returncode: Optional[int]
+    stopped: Optional[str]  # timeout | cpu | memory | None
+    capped: bool
+    peak: Usage
+    started: bool = True  # False when the sandbox failed before the program ran
+    oom_kills: int = 0
+
+
+class _StatusPipe:
+    """bwrap's --json-status-fd, read on the event loop: `child-pid` first, `exit-code` once the program ran."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+        self.buffer = b""
+        self.eof = False
+        self.changed = asyncio.Event()
+        self.loop = asyncio.get_running_loop()
+        os.set_blocking(fd, False)
+        self.loop.add_reader(fd, self._on_readable)
+
+    def _on_readable(self) -> None:
+        try:
+            data = os.read(self.fd, 4096)
+        except BlockingIOError:
+            return
+        if data:
+            self.buffer += data
+        else:
+            self.eof = True
+            self.loop.remove_reader(self.fd)
+        self.changed.set()
+
+    def documents(self) -> list[dict]:
+        docs = []
+        for line in self.buffer.splitlines():
+            try:
+                docs.append(json.loads(line))
+            except ValueError:
+                continue
+        return docs
+
+    async def child_pid(self) -> Optional[int]:
+        while b"\n" not in self.buffer and not self.eof:
+            self.changed.clear()
+            await self.changed.wait()
+        docs = self.documents()
+        return docs[0].get("child-pid") if docs else None
+
+    async def finish(self, timeout_s: float) -> list[dict]:
+        try:
+            while not self.eof:
+                self.changed.clear()
+                await asyncio.wait_for(self.changed.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            pass
+        return self.documents()
+
+    def close(self) -> None:
+        if not self.eof:
+            self.loop.remove_reader(self.fd)
+        os.close(self.fd)
+
+
 class PythonSandboxTool(Tool):
-    """Runs model-written Python in a confined, throw-away process. See the module docstring."""
+    """Runs model-written Python in an isolated, limited, throw-away sandbox. See the module docstring."""
 
     cacheable = False
 
@@ -119,82 +181,81 @@ class PythonSandboxTool(Tool):
         cpu_s: Optional[int] = None,
         memory_mb: int = 2048,
         file_size_mb: int = 32,
+        disk_mb: int = 64,
         nproc: int = 32,
         max_output_chars: int = 4000,
         max_capture_bytes: int = 1 << 20,
         user: Optional[str] = "nobody",
         python_executable: Optional[str] = None,
         isolate_network: bool = True,
-        isolate_filesystem: bool = True,
         auto_print: bool = True,
-        workdir_root: Optional[str] = None,
+        sandbox: str = "required",
+        cgroup: str = "auto",
+        cgroup_parent: Optional[str] = None,
     ):
         self.tag = tag
         self.timeout_s = float(timeout_s)
         self.cpu_s = int(cpu_s) if cpu_s is not None else max(1, int(timeout_s + 0.999))
         self.memory_bytes = int(memory_mb) * 1024 * 1024
-        self.file_size_bytes = int(file_size_mb) * 1024 * 1024
         self.nproc = int(nproc)
         self.max_output_chars = int(max_output_chars)
         self.max_capture_bytes = int(max_capture_bytes)
-        # The real binary, not a venv's symlink to it: the per-call working dir is mounted over /tmp
-        # inside the sandbox, which would hide a venv (or a checkout) living under /tmp. The code runs
-        # on the interpreter's standard library; the trainer's site-packages are not exposed to it.
-        self.python = os.path.realpath(python_executable or sys.executable)
-        self.isolate_network = isolate_network
-        self.isolate_filesystem = isolate_filesystem
         self.auto_print = auto_print
-        self.workdir_root = workdir_root or tempfile.gettempdir()
-        if self.timeout_s <= 0 or self.memory_bytes <= 0 or self.nproc < 1 or self.max_output_chars < 1:
+        if self.timeout_s <= 0 or self.memory_bytes <= 0 or self.nproc < 1 or self.max_output_chars < 1 or disk_mb < 1:
             raise ValueError(
-                f"python sandbox: timeout_s={timeout_s}, memory_mb={memory_mb}, nproc={nproc} and "
-                f"max_output_chars={max_output_chars} must all be positive"
+                f"python sandbox: timeout_s={timeout_s}, memory_mb={memory_mb}, disk_mb={disk_mb}, nproc={nproc} "
+                f"and max_output_chars={max_output_chars} must all be positive"
             )
-        if not os.path.isfile(self.python):
-            raise ValueError(f"python sandbox: interpreter {self.python} does not exist; set python_executable")
-        self.uid: Optional[int] = None
-        self.gid: Optional[int] = None
-        if os.geteuid() == 0:
-            if user is None:
-                raise ValueError(
-                    "python sandbox: running as root needs an unprivileged user for the code; "
-                    "set user (e.g. 'nobody')"
-                )
-            try:
-                entry = pwd.getpwnam(user)
-            except KeyError as exc:
-                raise ValueError(f"python sandbox: user {user!r} does not exist; set user to an existing account") from exc
-            if entry.pw_uid == 0:
-                raise ValueError(f"python sandbox: user {user!r} is root; choose an unprivileged user")
-            self.uid, self.gid = entry.pw_uid, entry.pw_gid
-        else:
-            _warn_once(
-                "not-root",
-                "python sandbox: not running as root, so code runs as the current user without "
-                "namespaces (no network or filesystem isolation); rlimits and a clean environment still apply",
-            )
-        real = os.path.realpath(self.python)
-        self.expose_paths = sorted({real, os.path.dirname(os.path.dirname(real)), sys.base_prefix, sys.prefix})
-        # What the last run achieved, as reported by the launcher (tests and logs read it).
-        self.last_isolation: dict = {}
-
-    def _environment(self, marker: str) -> dict[str, str]:
-        bin_dir = os.path.dirname(self.python)
-        return {
-            "PATH": f"{bin_dir}:/usr/local/bin:/usr/bin:/bin",
-            "LANG": "C.UTF-8",
-            "LC_ALL": "C.UTF-8",
-            "PYTHONHASHSEED": "0",
-            "PYTHONIOENCODING": "utf-8",
-            "PYTHONUNBUFFERED": "1",
-            "PYTHONDONTWRITEBYTECODE": "1",
-            "OMP_NUM_THREADS": "1",
-            "OPENBLAS_NUM_THREADS": "1",
-            "MKL_NUM_THREADS": "1",
-            "NUMEXPR_NUM_THREADS": "1",
-            "MPLBACKEND": "Agg",
-            _MARKER_VAR: marker,
+        if sandbox not in SANDBOX_MODES:
+            raise ValueError(f"tools.python.sandbox={sandbox!r}; allowed values are {list(SANDBOX_MODES)}")
+        if cgroup not in CGROUP_MODES:
+            raise ValueError(f"tools.python.cgroup={cgroup!r}; allowed values are {list(CGROUP_MODES)}")
+        if cgroup == "off" and cgroup_parent:
+            raise ValueError("tools.python.cgroup_parent is set but tools.python.cgroup is 'off'; drop one of them")
+        # Default: the trainer's base interpreter (its stdlib only, not the trainer's venv packages). An
+        # explicit interpreter is used as given, so a venv made for the model's code (numpy, sympy) works.
+        python = os.path.realpath(sys.executable) if python_executable is None else os.path.abspath(python_executable)
+        if not os.path.isfile(python):
+            raise ValueError(f"python sandbox: interpreter {python} does not exist; set tools.python.python_executable")
+        self.user = SandboxUser.resolve(user)
+        limits = Limits(cpu_s=self.cpu_s, memory_bytes=self.memory_bytes, file_size_bytes=int(file_size_mb) << 20,
+                        nproc=self.nproc, disk_bytes=int(disk_mb) << 20)
+        try:
+            self.command = BwrapCommand(python, self.user, limits, isolate_network=isolate_network)
+            self.command.probe()
+        except SandboxUnavailable as exc:
+            if sandbox == "required":
+                raise SandboxUnavailable(
+                    f"python sandbox (tools.python.sandbox: required): {exc}. Fix that, or set "
+                    "tools.python.sandbox: best_effort to run model code WITHOUT isolation (not recommended)"
+                ) from exc
+            self.command = RlimitsCommand(python, self.user, limits)
+            logger.warning("python sandbox: tools.python.sandbox is best_effort and the sandbox is unavailable "
+                           "(%s); running model code with %s", exc, self.command.describe())
+        self.cgroup_parent = None
+        memory = "meter over all processes (sampled every %.1f s) + RLIMIT_AS per process" % METER_INTERVAL_S
+        if cgroup != "off":
+            parent, why = find_cgroup_parent(cgroup_parent) if self.command.kind == "bwrap" else (None, "no sandbox")
+            if parent is None and (cgroup == "required" or cgroup_parent):
+                raise ValueError(f"python sandbox: no memory cgroup for the runs (tools.python.cgroup: {cgroup}): "
+                                 f"{why}; see the README on cgroup delegation, or set tools.python.cgroup: auto")
+            if parent is not None:
+                parent.sweep_stale()
+                self.cgroup_parent = parent
+                memory = f"{parent.describe()} (hard) + meter + RLIMIT_AS per process"
+            else:
+                logger.info("python sandbox: no memory cgroup for the runs (%s); memory is bounded by the meter "
+                            "and RLIMIT_AS per process", why)
+        self.isolation = {
+            "mode": self.command.kind,
+            "user": self.user.name,
+            "uid": self.user.uid,
+            "network_isolated": self.command.kind == "bwrap" and isolate_network,
+            "memory": memory,
+            "description": self.command.describe(),
+            "binds": list(getattr(self.command, "binds", [])),
         }
+        logger.info("python sandbox: %s; memory: %s", self.command.describe(), memory)
 
     async def execute(self, query: str) -> ToolResult:
         start = time.monotonic()
@@ -204,70 +265,102 @@ class PythonSandboxTool(Tool):
                 text=f"Error: the code is longer than {_MAX_CODE_BYTES} bytes; split it into smaller cells.",
                 error="code too long",
             )
-        marker = uuid.uuid4().hex
-        workdir = tempfile.mkdtemp(prefix="arpo_sbx_", dir=self.workdir_root)
-        status_r, status_w = os.pipe()
-        try:
-            if self.uid is not None:
-                os.chown(workdir, self.uid, self.gid)
-            os.chmod(workdir, 0o700)
-            cfg = {
-                "workdir": workdir,
-                "uid": self.uid,
-                "gid": self.gid,
-                "isolate_network": self.isolate_network,
-                "isolate_filesystem": self.isolate_filesystem,
-                "expose_paths": self.expose_paths,
-                "rlimits": {
-                    "cpu_s": self.cpu_s,
-                    "as_bytes": self.memory_bytes,
-                    "fsize_bytes": self.file_size_bytes,
-                    "nproc": self.nproc,
-                },
-                "status_fd": status_w,
-                "python": self.python,
-                "python_flags": ["-s", "-B"],
-                "env": self._environment(marker),
-            }
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-I", _LAUNCHER, json.dumps(cfg), code,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
-                start_new_session=True,
-                pass_fds=(status_w,),
-                env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
-                cwd=workdir,
-            )
-            os.close(status_w)
-            status_w = -1
-            try:
-                outcome = await self._collect(proc, marker)
-            except BaseException:
-                self._kill_group(proc)
-                raise
-            finally:
-                if proc.returncode is None:
-                    self._kill_group(proc)
-                    await _wait_exit(proc)
-                await asyncio.to_thread(_sweep_marker, marker)
-                transport = getattr(proc, "_transport", None)  # no public close on Process
-                if transport is not None:
-                    transport.close()
-            self._read_status(status_r)
-        finally:
-            if status_w >= 0:
-                os.close(status_w)
-            os.close(status_r)
-            await asyncio.to_thread(shutil.rmtree, workdir, True)
-        stdout, stderr, returncode, timed_out, capped = outcome
-        result = self._format(stdout, stderr, returncode, timed_out, capped)
+        if self.command.kind == "bwrap":
+            outcome = await self._run_bwrap(code)
+        else:
+            outcome = await self._run_plain(code)
+        result = self._format(outcome)
         result.latency_s = time.monotonic() - start
         return result
 
-    async def _collect(self, proc, marker: str):
+    async def _run_bwrap(self, code: str) -> _Outcome:
+        status_r, status_w = os.pipe()
+        block_r = block_w = -1
+        run_cgroup: Optional[RunCgroup] = None
+        status = None
+        try:
+            if self.cgroup_parent is not None:
+                block_r, block_w = os.pipe()
+                run_cgroup = await asyncio.to_thread(self.cgroup_parent.create, self.memory_bytes,
+                                                     self.nproc + BASE_TASKS)
+            argv = self.command.argv(code, status_fd=status_w, block_fd=block_r if run_cgroup else None)
+            kwargs = self.command.spawn_kwargs()
+            pass_fds = (*kwargs.pop("pass_fds"), status_w, *((block_r,) if run_cgroup else ()))
+            proc = await asyncio.create_subprocess_exec(
+                *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE, start_new_session=True, pass_fds=pass_fds, env=BWRAP_ENV,
+                cwd="/", **kwargs,
+            )
+            os.close(status_w)
+            status_w = -1
+            if block_r >= 0:
+                os.close(block_r)
+                block_r = -1
+            status = _StatusPipe(status_r)
+            status_r = -1
+            try:
+                if run_cgroup is not None:
+                    # bwrap's PID 1 waits on --block-fd: everything the run starts is inside the cgroup.
+                    child = await asyncio.wait_for(status.child_pid(), timeout=30)
+                    if child is not None:
+                        run_cgroup.add(child)
+                        os.write(block_w, b"1")
+                outcome = await self._collect(proc)
+            except BaseException:
+                _kill_group(proc)
+                raise
+            finally:
+                if proc.returncode is None:
+                    _kill_group(proc)
+                    await _wait_exit(proc)
+                transport = getattr(proc, "_transport", None)  # no public close on Process
+                if transport is not None:
+                    transport.close()
+            docs = await status.finish(timeout_s=1.0)
+            outcome.started = any("exit-code" in doc for doc in docs)
+            if outcome.returncode is not None and 128 < outcome.returncode < 128 + signal.NSIG:
+                outcome.returncode = 128 - outcome.returncode  # bwrap's 128+N for a death by signal N
+            if run_cgroup is not None:
+                outcome.oom_kills = run_cgroup.oom_kills()
+            return outcome
+        finally:
+            for fd in (status_r, status_w, block_r, block_w):
+                if fd >= 0:
+                    os.close(fd)
+            if status is not None:
+                status.close()
+            if run_cgroup is not None:
+                await asyncio.to_thread(run_cgroup.remove)
+
+    async def _run_plain(self, code: str) -> _Outcome:
+        scratch = tempfile.mkdtemp(prefix="arpo_sbx_")
+        try:
+            if self.user.switch:
+                os.chown(scratch, self.user.uid, self.user.gid)
+            os.chmod(scratch, 0o700)
+            argv = await asyncio.to_thread(self.command.argv, code, scratch=scratch)
+            proc = await asyncio.create_subprocess_exec(
+                *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE, start_new_session=True, env=self.command.environment(scratch),
+                cwd=scratch, **self.user.spawn_kwargs(),
+            )
+            try:
+                return await self._collect(proc)
+            finally:
+                _kill_group(proc)
+                if proc.returncode is None:
+                    await _wait_exit(proc)
+                transport = getattr(proc, "_transport", None)
+                if transport is not None:
+                    transport.close()
+        finally:
+            await _remove_scratch(scratch)
+
+    async def _collect(self, proc) -> _Outcome:
         buffers = {"out": bytearray(), "err": bytearray()}
         state = {"total": 0, "capped": False}
+        peak = Usage()
+        stopped: Optional[str] = None
 
         async def pump(stream, name):
             while True:
@@ -280,92 +373,94 @@ class PythonSandboxTool(Tool):
                 state["total"] += len(chunk)
                 if state["total"] > self.max_capture_bytes and not state["capped"]:
                     state["capped"] = True
-                    self._kill_group(proc)  # keep draining so the writer sees EOF, not a full pipe
+                    _kill_group(proc)  # keep draining so the writer sees EOF, not a full pipe
+
+        async def watch():
+            nonlocal stopped
+            delay, next_sample = 0.002, time.monotonic() + METER_INTERVAL_S
+            while proc.returncode is None:
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.05)
+                if proc.returncode is not None or time.monotonic() < next_sample:
+                    continue
+                usage = sample_usage(proc.pid)
+                peak.cpu_s = max(peak.cpu_s, usage.cpu_s)
+                peak.memory_bytes = max(peak.memory_bytes, usage.memory_bytes)
+                peak.tasks = max(peak.tasks, usage.tasks)
+                if usage.cpu_s > self.cpu_s:
+                    stopped = "cpu"
+                elif usage.memory_bytes > self.memory_bytes:
+                    stopped = "memory"
+                if stopped:
+                    _kill_group(proc)
+                    return
+                next_sample = time.monotonic() + METER_INTERVAL_S
 
         pumps = asyncio.gather(pump(proc.stdout, "out"), pump(proc.stderr, "err"))
-        timed_out = False
         try:
             try:
-                await asyncio.wait_for(_wait_exit(proc), timeout=self.timeout_s)
+                await asyncio.wait_for(watch(), timeout=self.timeout_s)
             except asyncio.TimeoutError:
-                timed_out = True
-                self._kill_group(proc)
-                await _wait_exit(proc)
-            # The program has ended, but processes it started may still hold the pipes open.
+                stopped = "timeout"
+                _kill_group(proc)
+            await _wait_exit(proc)
+            # In the sandbox the output pipes close with the PID namespace; in the fallback, processes
+            # that left the session may hold them open.
             try:
-                await asyncio.wait_for(asyncio.shield(pumps), timeout=0.5)
+                await asyncio.wait_for(asyncio.shield(pumps), timeout=2.0)
             except asyncio.TimeoutError:
-                await asyncio.to_thread(_sweep_marker, marker)
-                try:
-                    await asyncio.wait_for(asyncio.shield(pumps), timeout=2.0)
-                except asyncio.TimeoutError:
-                    logger.warning("python sandbox: output pipes of run %s stayed open; dropping them", marker)
-                    pumps.cancel()
+                logger.warning("python sandbox: output pipes of a run stayed open after it ended; dropping them")
+                pumps.cancel()
         except BaseException:
             pumps.cancel()
             raise
-        return bytes(buffers["out"]), bytes(buffers["err"]), proc.returncode, timed_out, state["capped"]
+        return _Outcome(bytes(buffers["out"]), bytes(buffers["err"]), proc.returncode, stopped, state["capped"], peak)
 
-    @staticmethod
-    def _kill_group(proc) -> None:
-        # Only while the leader is unreaped: its pid (= the group id) cannot have been reused yet.
-        if proc.returncode is None:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-
-    def _read_status(self, fd: int) -> None:
-        os.set_blocking(fd, False)
-        try:
-            data = os.read(fd, 65536)
-        except BlockingIOError:
-            data = b""
-        if not data:
-            return
-        try:
-            status = json.loads(data)
-        except ValueError:
-            return
-        self.last_isolation = status
-        if self.isolate_network and not status.get("network_isolated"):
-            _warn_once(
-                "net",
-                "python sandbox: network isolation unavailable (%s); code can reach the network, "
-                "only proxy variables are absent from its environment", "; ".join(status.get("notes", [])),
-            )
-        if self.isolate_filesystem and not status.get("filesystem_isolated"):
-            _warn_once(
-                "fs",
-                "python sandbox: filesystem isolation unavailable (%s); code can write wherever its "
-                "user can", "; ".join(status.get("notes", [])),
-            )
-
-    def _format(self, stdout: bytes, stderr: bytes, returncode, timed_out: bool, capped: bool) -> ToolResult:
-        out = stdout.decode("utf-8", errors="replace")
-        err = stderr.decode("utf-8", errors="replace")
+    def _format(self, o: _Outcome) -> ToolResult:
+        out = o.stdout.decode("utf-8", errors="replace")
+        err = o.stderr.decode("utf-8", errors="replace")
         limit = self.max_output_chars
-        truncated = capped or len(out) > limit or len(err) > limit
-        if timed_out:
+        truncated = o.capped or len(out) > limit or len(err) > limit
+        stops = {
+            "timeout": ("timeout", f"TimeoutError: execution exceeded the {self.timeout_s:g} s time limit and was stopped."),
+            "cpu": ("cpu limit", f"Error: the run used more than {self.cpu_s} s of CPU time across its processes "
+                                 "and was stopped."),
+            "memory": ("memory limit", f"Error: the run used more than {self.memory_bytes >> 20} MB of memory "
+                                       "across its processes and was stopped."),
+        }
+        if o.stopped in stops:
+            error, message = stops[o.stopped]
             text = _truncate_head(out.strip(), limit)
-            message = f"TimeoutError: execution exceeded the {self.timeout_s:g} s time limit and was stopped."
-            return ToolResult(text=(text + "\n" + message).strip(), error="timeout", truncated=truncated)
-        if capped:
+            return ToolResult(text=(text + "\n" + message).strip(), error=error, truncated=truncated)
+        if o.capped:
             text = _truncate_head(out, limit).rstrip()
             message = (
                 f"[output truncated: the program printed more than {self.max_capture_bytes} bytes "
                 "and was stopped]"
             )
             return ToolResult(text=text + "\n" + message, error="output limit", truncated=True)
-        if returncode == 0:
-            return ToolResult(text=_truncate_head(out.strip(), limit), truncated=truncated)
+        if not o.started:
+            logger.warning("python sandbox: a run failed before the program started (status %s): %s",
+                           o.returncode, err.strip()[-500:])
+            return ToolResult(text="Error: the python sandbox could not start this run; try again.",
+                              error="sandbox failure")
+        if o.returncode == 0:
+            text = _truncate_head(out.strip(), limit)
+            if o.oom_kills:
+                text += (f"\n[note: {o.oom_kills} process(es) of this run were killed at its memory limit of "
+                         f"{self.memory_bytes >> 20} MB]")
+            return ToolResult(text=text, truncated=truncated)
         parts = []
         if out.strip():
             parts.append(_truncate_head(out.strip(), limit // 2))
         if err.strip():
             parts.append(_truncate_tail(err.strip(), limit if not parts else limit - limit // 2))
-        if returncode is not None and returncode < 0:
-            signum = -returncode
+        if o.oom_kills:
+            parts.append(f"Error: the run reached its memory limit of {self.memory_bytes >> 20} MB "
+                         f"({o.oom_kills} process(es) killed).")
+            return ToolResult(text="\n".join(parts), error="memory limit", truncated=truncated)
+        if o.returncode is not None and o.returncode < 0:
+            signum = -o.returncode
             try:
                 name = signal.Signals(signum).name
             except ValueError:
@@ -376,8 +471,33 @@ class PythonSandboxTool(Tool):
             parts.append(f"Error: the program was killed by {name} ({hint}).")
             return ToolResult(text="\n".join(parts), error=f"killed by {name}", truncated=truncated)
         if not parts:
-            parts.append(f"Error: the program exited with status {returncode} and printed nothing.")
-        return ToolResult(text="\n".join(parts), error=f"exit status {returncode}", truncated=truncated)
+            parts.append(f"Error: the program exited with status {o.returncode} and printed nothing.")
+        return ToolResult(text="\n".join(parts), error=f"exit status {o.returncode}", truncated=truncated)
+
+    async def close(self) -> None:
+        self.command.close()
+
+
+def _kill_group(proc) -> None:
+    # Only while the leader is unreaped: its pid (= the group id) cannot have been reused yet. For a
+    # sandbox run the leader is bwrap's monitor; its death takes the run's PID namespace with it.
+    if proc.returncode is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+async def _remove_scratch(path: str) -> None:
+    """Remove the fallback's scratch dir; `rm` copes with any depth and does not follow symlinks."""
+    for argv in (["rm", "-rf", "--", path], ["chmod", "-R", "u+rwX", "--", path], ["rm", "-rf", "--", path]):
+        if not os.path.exists(path):
+            return
+        proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.DEVNULL,
+                                                    stderr=asyncio.subprocess.DEVNULL)
+        await proc.wait()
+    if os.path.exists(path):
+        logger.warning("python sandbox: could not remove the scratch directory %s", path)
 
 
 async def _wait_exit(proc) -> int:
@@ -391,31 +511,3 @@ async def _wait_exit(proc) -> int:
         await asyncio.sleep(delay)
         delay = min(delay * 2, 0.05)
     return proc.returncode
-
-
-def _sweep_marker(marker: str, max_passes: int = 50) -> int:
-    """SIGKILL every process whose environment carries this run's marker; returns how many were hit."""
-    needle = f"{_MARKER_VAR}={marker}".encode()
-    killed = 0
-    for _ in range(max_passes):
-        found = 0
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry}/environ", "rb") as handle:
-                    environ = handle.read()
-            except OSError:
-                continue
-            if needle in environ.split(b"\0"):
-                try:
-                    os.kill(int(entry), signal.SIGKILL)
-                    found += 1
-                except (ProcessLookupError, PermissionError):
-                    pass
-        killed += found
-        if not found:
-            return killed
-        time.sleep(0.02)
-    logger.warning("python sandbox: processes of run %s kept appearing after %d kill passes", marker, max_passes)
-    return killed

@@ -13,17 +13,20 @@ tools:
   python:                  # omit, null or {enabled: false} to disable
     enabled: true
     tag: python
+    sandbox: required      # required: refuse to start without the bubblewrap sandbox; best_effort: fall back, warn
     timeout_s: 10          # wall clock per run (keep below tools.timeout_s)
-    cpu_s: null            # RLIMIT_CPU; null = ceil(timeout_s)
-    memory_mb: 2048        # RLIMIT_AS
-    file_size_mb: 32       # RLIMIT_FSIZE
-    nproc: 32              # processes/threads the code may add (RLIMIT_NPROC)
+    cpu_s: null            # CPU seconds of the whole run (meter) and per process (RLIMIT_CPU); null = ceil(timeout_s)
+    memory_mb: 2048        # memory of the whole run (cgroup or meter) and per process (RLIMIT_AS)
+    file_size_mb: 32       # largest file (RLIMIT_FSIZE)
+    disk_mb: 64            # size of the run's scratch tmpfs /tmp
+    nproc: 32              # processes/threads the run may add (RLIMIT_NPROC in its own user namespace)
     max_output_chars: 4000 # text shown to the model
     max_capture_bytes: 1048576  # output read before the run is stopped
     user: nobody           # account the code runs as when the trainer runs as root
-    python_executable: null     # null = the trainer's interpreter
+    python_executable: null     # null = the trainer's base interpreter (stdlib only)
     isolate_network: true
-    isolate_filesystem: true
+    cgroup: auto           # auto | required | off: a memory cgroup per run
+    cgroup_parent: null    # a delegated cgroup v2 directory to create the runs' cgroups in
     auto_print: true
   search:                  # omit, null or {enabled: false} to disable
     enabled: true
@@ -51,8 +54,9 @@ from megatron_arpo.tools.base import Tool, ToolExecutor
 
 _TOP_KEYS = {"max_concurrency", "timeout_s", "retries", "backoff_s", "backoff_max_s", "python", "search", "cache"}
 _PYTHON_KEYS = {
-    "enabled", "tag", "timeout_s", "cpu_s", "memory_mb", "file_size_mb", "nproc", "max_output_chars",
-    "max_capture_bytes", "user", "python_executable", "isolate_network", "isolate_filesystem", "auto_print",
+    "enabled", "tag", "sandbox", "timeout_s", "cpu_s", "memory_mb", "file_size_mb", "disk_mb", "nproc",
+    "max_output_chars", "max_capture_bytes", "user", "python_executable", "isolate_network", "cgroup",
+    "cgroup_parent", "auto_print",
 }
 _SEARCH_KEYS = {
     "enabled", "tag", "backend", "topk", "result_chars", "corpus", "url", "timeout_s", "api_key_env",
