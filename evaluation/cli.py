@@ -23,6 +23,8 @@ import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from megatron_arpo.redaction import install_log_redaction
+
 logger = logging.getLogger(__name__)
 
 PROG = "megatron-arpo eval"
@@ -218,6 +220,7 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = PROG) -> int:
     args = build_parser(prog).parse_args(list(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    install_log_redaction()
     try:
         settings, engine, judge = prepare(args)
         # Fail on a missing dataset file before the engine starts (load_dataset raises DatasetError).

@@ -18,7 +18,8 @@ Rules this module enforces, all in ``load_config``:
 - Relative paths inside the config are relative to the working directory, except ``base:``, which is
   relative to the file that names it. A file with ``base: other.yaml`` deep-merges over that file.
 - No secrets: API keys are read from environment variables whose NAMES the config holds
-  (``*_env`` keys). ``redact`` masks anything secret-looking before a config reaches a log or wandb.
+  (``*_env`` keys). ``redact`` (megatron_arpo/redaction.py) masks secret-looking values and URL
+  passwords before a config reaches a log or wandb.
 
 The numbers given as defaults are the ARPO reference's (ARPO_REFERENCE.md §2.1, §3.3) unless noted.
 """
@@ -39,6 +40,7 @@ from typing import Any, Literal, Mapping, Optional, Sequence, Union, get_args, g
 import yaml
 
 from megatron_arpo.model_config import ModelConfig, load_model_config
+from megatron_arpo.redaction import REDACTED, is_secret_key, redact  # noqa: F401  (re-exported)
 from megatron_arpo.config_schema import (  # noqa: F401  (re-exported: the public config API)
     _f,
     BUILTIN_REWARDS,
@@ -553,7 +555,7 @@ def validate(cfg: ExperimentConfig) -> list[str]:
     if not re.match(r"^(\d+-)?\d+(:\d{1,2}){0,2}$", la.time):
         errors.append(f"launcher.time: {la.time!r} is not a Slurm time; allowed: MM, HH:MM:SS or D-HH:MM:SS")
     for name in cfg.launcher.env:
-        if _is_secret_key(name):
+        if is_secret_key(name):
             errors.append(f"launcher.env.{name}: secrets must not be written in config files; export {name} "
                           f"in the submitting shell instead")
     return errors
@@ -594,30 +596,6 @@ def validate_paths(cfg: ExperimentConfig, *, for_command: Literal["train", "sft"
     if errors:
         errors.append(f"(relative paths are relative to the working directory {os.getcwd()})")
         raise ConfigError(errors)
-
-
-# ---------------------------------------------------------------------------------------- redaction
-_SECRET_WORDS = ("key", "token", "secret", "password", "passwd", "credential")
-# Config keys that contain a secret word but hold no secret.
-_NOT_SECRET = {"prompt_key", "tokenizer"}
-REDACTED = "***"
-
-
-def _is_secret_key(name: str) -> bool:
-    lowered = name.lower()
-    if lowered in _NOT_SECRET or lowered.endswith("_env"):
-        return False  # *_env holds the NAME of an environment variable, not its value
-    return any(word in lowered for word in _SECRET_WORDS)
-
-
-def redact(data: Any) -> Any:
-    """A copy with every string value under a secret-looking key masked (recursively)."""
-    if isinstance(data, Mapping):
-        return {k: (REDACTED if isinstance(v, str) and _is_secret_key(str(k)) else redact(v))
-                for k, v in data.items()}
-    if isinstance(data, list):
-        return [redact(v) for v in data]
-    return data
 
 
 # ---------------------------------------------------------------------------------------- reference

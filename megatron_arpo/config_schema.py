@@ -169,6 +169,8 @@ class SearchToolSection:
     result_chars: int = _f(1000, ge=1, help="per-passage truncation")
     corpus: Optional[str] = _f(None, help="local: JSONL corpus for BM25")
     url: Optional[str] = _f(None, help="http: retriever endpoint")
+    index_version: Optional[str] = _f(None, help="http: a name for the index behind url; part of the tool-cache "
+                                      "key, change it when the index changes")
     timeout_s: float = _f(30.0, gt=0, help="http/web request timeout")
     api_key_env: str = _f("BRIGHT_DATA_API_KEY", help="web: NAME of the env var holding the key")
     zone: Optional[str] = _f(None, help="web: Bright Data zone")

@@ -40,6 +40,8 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from megatron_arpo.redaction import install_log_redaction
+
 logger = logging.getLogger(__name__)
 
 STAGES = ("data", "sft", "before", "train", "after")
@@ -353,6 +355,7 @@ def demo_main(argv: Sequence[str]) -> int:
                         help=f"comma-separated subset of {','.join(STAGES)} (the summary is always written)")
     args = parser.parse_args(list(argv))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    install_log_redaction()
     from megatron_arpo.config import load_config
 
     cfg = load_config(args.config, args.overrides)

@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from megatron_arpo.redaction import install_log_redaction
+
 logger = logging.getLogger(__name__)
 
 
@@ -116,6 +118,7 @@ def sft_main(argv: Sequence[str]) -> int:
                         help="local ranks to spawn (default: actor tp x pp x dp from the config)")
     args = parser.parse_args(list(argv))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    install_log_redaction()
     cfg = config_from_args(args)
     validate_paths(cfg, for_command="sft")
     start = time.time()

@@ -22,6 +22,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
+from megatron_arpo.redaction import install_log_redaction
+
 logger = logging.getLogger(__name__)
 
 CONSOLE_FORMAT = "%(asctime)s %(levelname).1s %(name)s: %(message)s"
@@ -45,6 +47,7 @@ def setup_console_logging(level: str = "INFO", rank: int | None = None) -> None:
     for h in root.handlers:
         if getattr(h, "_megatron_arpo", False):
             h.setFormatter(logging.Formatter(fmt, datefmt="%H:%M:%S"))
+    install_log_redaction(root)
     for noisy in ("urllib3", "filelock", "asyncio"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
 

@@ -28,6 +28,8 @@ import logging
 import time
 from typing import Iterable, Optional
 
+from megatron_arpo.redaction import redact_url
+
 logger = logging.getLogger(__name__)
 
 
@@ -48,6 +50,9 @@ class ToolResult:
     latency_s: float = 0.0
     cached: bool = False
     truncated: bool = False
+    # False for answers that may be transient though they are not errors (a search with no results):
+    # the cache does not keep them.
+    cacheable: bool = True
 
     @property
     def ok(self) -> bool:
@@ -67,7 +72,8 @@ class Tool(abc.ABC):
         """Run one call. Raise TransportError for retryable failures, ToolError for others."""
 
     def cache_key(self, query: str) -> str:
-        """Normalised query used as the cache key; tools override this (search drops quotes)."""
+        """The cache key of a query: everything that changes the result must be in it (the normalised
+        query, and the tool's settings and data). Tools override this (search: see SearchTool)."""
         return query
 
     async def close(self) -> None:
@@ -75,7 +81,8 @@ class Tool(abc.ABC):
 
 
 def format_tool_error(tag: str, message: str) -> str:
-    return f"Error: {tag} tool: {message}"
+    """The text the model sees for a failed call; passwords in URLs are removed (it also reaches logs)."""
+    return f"Error: {tag} tool: {redact_url(message)}"
 
 
 def _empty_stats() -> dict:
@@ -209,20 +216,21 @@ class ToolExecutor:
                 result = await tool.execute(query)
             except TransportError as exc:
                 stats["transport_failures"] += 1
+                reason = redact_url(str(exc))
                 if attempt == self.retries:
                     logger.warning(
-                        "tool %s: transport error after %d attempts: %s", tool.tag, attempt + 1, exc
+                        "tool %s: transport error after %d attempts: %s", tool.tag, attempt + 1, reason
                     )
                     return ToolResult(
                         text=format_tool_error(
-                            tool.tag, f"backend unavailable after {attempt + 1} attempts ({exc})."
+                            tool.tag, f"backend unavailable after {attempt + 1} attempts ({reason})."
                         ),
                         error="transport",
                     )
                 stats["retries"] += 1
                 logger.info(
                     "tool %s: transport error (%s); retry %d/%d in %.2f s",
-                    tool.tag, exc, attempt + 1, self.retries, delay,
+                    tool.tag, reason, attempt + 1, self.retries, delay,
                 )
                 await asyncio.sleep(delay)
                 delay = min(delay * 2.0, self.backoff_max_s)

@@ -1,11 +1,22 @@
 """Persistent tool-result cache shared by rollout workers (SQLite), with in-flight de-duplication.
 
-Keyed by (tool tag, normalised query); the tool decides the normalisation (`Tool.cache_key`). Only
-successful results are stored: errors, timeouts and transport failures are never cached.
+Keyed by (tool tag, `Tool.cache_key(query)`); the tool puts into the key everything that changes its
+answer (search: the normalised query plus a digest of topk, result_chars and the backend's identity,
+i.e. the corpus content or the retriever URL). Only answers that are final are stored: errors,
+timeouts, transport failures and answers the tool marks not cacheable (a search without results, which
+may be a transient retriever failure) are never cached.
 
 Concurrency across processes: the database runs in WAL mode with a busy timeout, and every write is
 one short `INSERT OR REPLACE` transaction, so several rollout workers on one node can share a file.
 (SQLite over NFS is not safe; give each node its own cache file and merge with `import_`.)
+
+Damage does not stop a run: a cache file that is not a readable database when it is opened is moved
+aside to `<path>.corrupt-<time>` with a warning naming both files, and a fresh cache starts; a snapshot
+that cannot be read on resume is skipped with a warning naming it; a read or write that fails later is
+a miss, with a warning.
+
+The schema carries a version (`PRAGMA user_version`). Entries of version 1, whose keys did not include
+the tool's settings, are dropped when such a file is opened: they could return stale answers.
 
 Within one process, identical calls that are in flight at the same time (the siblings of a branch ask
 the same query) share one execution: the first caller starts it as a task, later callers await that
@@ -31,6 +42,7 @@ from megatron_arpo.tools.base import ToolResult
 
 logger = logging.getLogger(__name__)
 
+SCHEMA_VERSION = 2
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS tool_cache (
     tool TEXT NOT NULL,
@@ -44,7 +56,7 @@ CREATE TABLE IF NOT EXISTS tool_cache (
 
 
 class ToolCache:
-    """SQLite-backed cache of successful tool results. See the module docstring."""
+    """SQLite-backed cache of final tool results. See the module docstring."""
 
     def __init__(self, path: str, *, busy_timeout_s: float = 30.0):
         self.path = os.fspath(path)
@@ -52,46 +64,102 @@ class ToolCache:
         os.makedirs(parent, exist_ok=True)
         self.busy_timeout_s = busy_timeout_s
         self._lock = threading.Lock()
-        self._conn = self._connect(self.path)
-        with self._lock:
-            self._conn.execute(_SCHEMA)
+        try:
+            self._conn = self._open(self.path)
+        except sqlite3.DatabaseError as exc:
+            self._set_aside(exc)
+            self._conn = self._open(self.path)
         self._inflight: dict[tuple[str, str], asyncio.Task] = {}
         self._hits = 0
         self._inflight_hits = 0
         self._misses = 0
         self._puts = 0
+        self._errors = 0
+
+    def _open(self, path: str) -> sqlite3.Connection:
+        conn = self._connect(path)  # raises DatabaseError for a file that is not a database
+        try:
+            check = conn.execute("PRAGMA quick_check").fetchone()[0]
+            if check != "ok":
+                raise sqlite3.DatabaseError(f"integrity check failed: {check}")
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+            conn.execute(_SCHEMA)
+            if version < SCHEMA_VERSION:
+                dropped = conn.execute("DELETE FROM tool_cache").rowcount
+                if dropped:
+                    logger.warning("tool cache %s: dropped %d entries of schema version %d, whose keys did not "
+                                   "include the tool settings", path, dropped, version)
+                conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+            elif version > SCHEMA_VERSION:
+                raise ValueError(f"tool cache {path} has schema version {version}, newer than this code's "
+                                 f"{SCHEMA_VERSION}; use a new tools.cache.path or upgrade megatron-arpo")
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    def _set_aside(self, exc: Exception) -> None:
+        """Move a damaged cache file (and its WAL/SHM companions) out of the way."""
+        aside = f"{self.path}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        for suffix in ("", "-wal", "-shm"):
+            try:
+                os.replace(self.path + suffix, aside + suffix)
+            except FileNotFoundError:
+                pass  # no such companion, or another worker moved it first
+        logger.warning("tool cache %s is not a readable SQLite database (%s); moved it to %s and starting an "
+                       "empty cache", self.path, exc, aside)
 
     def _connect(self, path: str) -> sqlite3.Connection:
         # isolation_level=None: autocommit; explicit BEGIN where a multi-statement transaction is needed.
         conn = sqlite3.connect(
             path, timeout=self.busy_timeout_s, isolation_level=None, check_same_thread=False
         )
-        conn.execute(f"PRAGMA busy_timeout={int(self.busy_timeout_s * 1000)}")
-        mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
-        if str(mode).lower() != "wal":
-            logger.warning("tool cache %s: journal_mode is %s, not WAL; concurrent writers may block", path, mode)
-        conn.execute("PRAGMA synchronous=NORMAL")
+        try:
+            conn.execute(f"PRAGMA busy_timeout={int(self.busy_timeout_s * 1000)}")
+            mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+            if str(mode).lower() != "wal":
+                logger.warning("tool cache %s: journal_mode is %s, not WAL; concurrent writers may block", path, mode)
+            conn.execute("PRAGMA synchronous=NORMAL")
+        except BaseException:
+            conn.close()
+            raise
         return conn
 
     # ------------------------------------------------------------------ sync access
     def get(self, tool: str, key: str) -> ToolResult | None:
-        with self._lock:
-            row = self._conn.execute(
-                "SELECT text, truncated FROM tool_cache WHERE tool=? AND key=?", (tool, key)
-            ).fetchone()
+        """The stored result, or None (also when the database fails: a miss, with a warning)."""
+        try:
+            with self._lock:
+                row = self._conn.execute(
+                    "SELECT text, truncated FROM tool_cache WHERE tool=? AND key=?", (tool, key)
+                ).fetchone()
+        except sqlite3.Error as exc:
+            self._failed("read", exc)
+            return None
         if row is None:
             return None
         return ToolResult(text=row[0], truncated=bool(row[1]), cached=True)
 
     def put(self, tool: str, key: str, result: ToolResult) -> None:
-        if result.error is not None:
+        """Store a final result; errors and results marked not cacheable are skipped."""
+        if result.error is not None or not result.cacheable:
             return
-        with self._lock:
-            self._conn.execute(
-                "INSERT OR REPLACE INTO tool_cache (tool, key, text, truncated, created) VALUES (?,?,?,?,?)",
-                (tool, key, result.text, int(result.truncated), time.time()),
-            )
+        try:
+            with self._lock:
+                self._conn.execute(
+                    "INSERT OR REPLACE INTO tool_cache (tool, key, text, truncated, created) VALUES (?,?,?,?,?)",
+                    (tool, key, result.text, int(result.truncated), time.time()),
+                )
+        except sqlite3.Error as exc:  # the result is still good; losing one cache entry is not fatal
+            self._failed("write", exc)
+            return
         self._puts += 1
+
+    def _failed(self, what: str, exc: Exception) -> None:
+        self._errors += 1
+        if self._errors <= 3 or self._errors % 1000 == 0:
+            logger.warning("tool cache %s: %s failed (%s); treated as a miss (%d failures so far)",
+                           self.path, what, exc, self._errors)
 
     def __len__(self) -> int:
         with self._lock:
@@ -127,11 +195,8 @@ class ToolCache:
 
     async def _compute_and_store(self, tool, key, compute) -> ToolResult:
         result = await compute()
-        if result.error is None:
-            try:
-                await asyncio.to_thread(self.put, tool, key, result)
-            except sqlite3.Error as exc:  # the result is still good; losing one cache entry is not fatal
-                logger.warning("tool cache %s: could not store an entry for %s: %s", self.path, tool, exc)
+        if result.error is None and result.cacheable:
+            await asyncio.to_thread(self.put, tool, key, result)
         return result
 
     # ------------------------------------------------------------------ checkpoints
@@ -168,23 +233,35 @@ class ToolCache:
         path = os.fspath(path)
         if not os.path.isfile(path):
             raise FileNotFoundError(f"tool cache snapshot {path} does not exist; export one with ToolCache.export")
-        with self._lock:
-            self._conn.execute("ATTACH DATABASE ? AS snapshot", (path,))
+        try:
+            with self._lock:
+                return self._merge(path)
+        except sqlite3.DatabaseError as exc:
+            logger.warning("tool cache snapshot %s cannot be read (%s); resuming without its entries", path, exc)
+            return 0
+
+    def _merge(self, path: str) -> int:
+        self._conn.execute("ATTACH DATABASE ? AS snapshot", (path,))
+        try:
+            version = self._conn.execute("PRAGMA snapshot.user_version").fetchone()[0]
+            if version != SCHEMA_VERSION:
+                logger.warning("tool cache snapshot %s has schema version %d, not %d (its keys differ); "
+                               "skipping its entries", path, version, SCHEMA_VERSION)
+                return 0
+            self._conn.execute("BEGIN IMMEDIATE")
             try:
-                self._conn.execute("BEGIN IMMEDIATE")
-                try:
-                    count = self._conn.execute("SELECT COUNT(*) FROM snapshot.tool_cache").fetchone()[0]
-                    self._conn.execute(
-                        "INSERT OR REPLACE INTO tool_cache (tool, key, text, truncated, created) "
-                        "SELECT tool, key, text, truncated, created FROM snapshot.tool_cache"
-                    )
-                    self._conn.execute("COMMIT")
-                except BaseException:
-                    self._conn.execute("ROLLBACK")
-                    raise
-            finally:
-                self._conn.execute("DETACH DATABASE snapshot")
-        return count
+                count = self._conn.execute("SELECT COUNT(*) FROM snapshot.tool_cache").fetchone()[0]
+                self._conn.execute(
+                    "INSERT OR REPLACE INTO tool_cache (tool, key, text, truncated, created) "
+                    "SELECT tool, key, text, truncated, created FROM snapshot.tool_cache"
+                )
+                self._conn.execute("COMMIT")
+            except BaseException:
+                self._conn.execute("ROLLBACK")
+                raise
+            return count
+        finally:
+            self._conn.execute("DETACH DATABASE snapshot")
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict:
@@ -194,6 +271,7 @@ class ToolCache:
             "inflight_hits": self._inflight_hits,
             "misses": self._misses,
             "puts": self._puts,
+            "errors": self._errors,
             "hit_rate": (self._hits + self._inflight_hits) / lookups if lookups else 0.0,
         }
 

@@ -36,6 +36,7 @@ tools:
     result_chars: 1000
     corpus: path/to/corpus.jsonl    # local
     url: http://host:8000/retrieve  # http
+    index_version: null             # http: names the index behind the url; part of the cache key
     timeout_s: 30                   # http / web request timeout
     api_key_env: BRIGHT_DATA_API_KEY  # web; the key itself is never in the config
     zone: null                        # web
@@ -59,8 +60,8 @@ _PYTHON_KEYS = {
     "cgroup_parent", "auto_print",
 }
 _SEARCH_KEYS = {
-    "enabled", "tag", "backend", "topk", "result_chars", "corpus", "url", "timeout_s", "api_key_env",
-    "zone", "location",
+    "enabled", "tag", "backend", "topk", "result_chars", "corpus", "url", "index_version", "timeout_s",
+    "api_key_env", "zone", "location",
 }
 _CACHE_KEYS = {"path", "busy_timeout_s"}
 SEARCH_BACKENDS = ("local", "http", "web")
@@ -100,7 +101,8 @@ def build_search_tool(cfg: dict) -> Tool:
     elif backend_name == "http":
         if not cfg.get("url"):
             raise ValueError("tools.search.url is required for backend 'http' (e.g. http://127.0.0.1:8000/retrieve)")
-        backend = search.HttpRetrieverBackend(cfg["url"], timeout_s=cfg.get("timeout_s", 30.0))
+        backend = search.HttpRetrieverBackend(cfg["url"], timeout_s=cfg.get("timeout_s", 30.0),
+                                              index_version=cfg.get("index_version"))
     elif backend_name == "web":
         backend = search.WebSearchBackend(
             api_key_env=cfg.get("api_key_env", "BRIGHT_DATA_API_KEY"),

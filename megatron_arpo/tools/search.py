@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -32,6 +33,7 @@ import threading
 import urllib.parse
 from typing import Optional
 
+from megatron_arpo.redaction import redact_url
 from megatron_arpo.tools.base import Tool, ToolError, ToolResult, TransportError
 
 logger = logging.getLogger(__name__)
@@ -93,7 +95,14 @@ def passage_from_doc(doc: dict, score: Optional[float] = None) -> Passage:
 
 
 class SearchTool(Tool):
-    """The `search` tool: normalises the query and formats the backend's passages."""
+    """The `search` tool: normalises the query and formats the backend's passages.
+
+    Cache key: `<settings digest>|<normalised query>`, where the digest covers topk, result_chars, the
+    normalisation and the backend's identity (the local corpus's content hash, the retriever URL and
+    index version, the web search market), so a changed setting or corpus never meets stale entries.
+    An answer without passages is returned but marked not cacheable: it may be a transient failure of
+    the retriever.
+    """
 
     cacheable = True
 
@@ -104,13 +113,16 @@ class SearchTool(Tool):
         self.topk = int(topk)
         self.result_chars = int(result_chars)
         self.tag = tag
+        identity = {"topk": self.topk, "result_chars": self.result_chars, "normalize": "train",
+                    "backend": backend.identity() if hasattr(backend, "identity") else type(backend).__name__}
+        self.cache_namespace = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
 
     def cache_key(self, query: str) -> str:
-        return normalize_query(query)
+        return f"{self.cache_namespace}|{normalize_query(query)}"
 
     async def execute(self, query: str) -> ToolResult:
-        passages = await self.backend.search(normalize_query(query), self.topk)
-        return ToolResult(text=format_passages(passages[: self.topk], self.result_chars))
+        passages = (await self.backend.search(normalize_query(query), self.topk))[: self.topk]
+        return ToolResult(text=format_passages(passages, self.result_chars), cacheable=bool(passages))
 
     async def close(self) -> None:
         close = getattr(self.backend, "close", None)
@@ -128,6 +140,15 @@ class LocalBM25Backend:
         self._passages: list[Passage] = []
         self._retriever = None
         self._lock = threading.Lock()
+        digest = hashlib.sha256()
+        with open(self.corpus_path, "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+        self.corpus_sha256 = digest.hexdigest()
+
+    def identity(self) -> dict:
+        """What the results depend on: the corpus content (not its path) and the retrieval method."""
+        return {"kind": "local-bm25", "corpus_sha256": self.corpus_sha256}
 
     def _load(self) -> None:
         import bm25s  # heavy-ish (numpy/scipy); imported only when a local index is used
@@ -229,19 +250,25 @@ class _HttpBackend:
 class HttpRetrieverBackend(_HttpBackend):
     """Client of a FlashRAG/Search-R1 style retrieval service (`POST /retrieve`)."""
 
-    def __init__(self, url: str, *, timeout_s: float = 30.0):
+    def __init__(self, url: str, *, timeout_s: float = 30.0, index_version: Optional[str] = None):
         super().__init__(timeout_s)
         if not url.startswith(("http://", "https://")):
-            raise ValueError(f"search: retriever url {url!r} must start with http:// or https://")
+            raise ValueError(f"search: retriever url {redact_url(url)!r} must start with http:// or https://")
         self.url = url
+        self.index_version = index_version
+        self.shown_url = redact_url(url)  # for messages: a password in the URL never reaches them
+
+    def identity(self) -> dict:
+        # The index behind a URL is invisible from here: `index_version` names it (set it when it changes).
+        return {"kind": "http", "url": self.url, "index_version": self.index_version}
 
     async def search(self, query: str, topk: int) -> list[Passage]:
         payload = {"queries": [query], "topk": topk, "return_scores": True}
-        answer = await self._post_json(self.url, payload, what=f"retriever {self.url}")
+        answer = await self._post_json(self.url, payload, what=f"retriever {self.shown_url}")
         try:
             hits = answer["result"][0]
         except (KeyError, IndexError, TypeError) as exc:
-            raise ToolError(f"retriever {self.url} answer has no result[0]: {str(answer)[:200]}") from exc
+            raise ToolError(f"retriever {self.shown_url} answer has no result[0]: {str(answer)[:200]}") from exc
         passages = []
         for hit in hits:
             if isinstance(hit, dict) and "document" in hit:
@@ -249,7 +276,7 @@ class HttpRetrieverBackend(_HttpBackend):
             elif isinstance(hit, dict):
                 passages.append(passage_from_doc(hit))
             else:
-                raise ToolError(f"retriever {self.url} returned a non-object hit: {str(hit)[:200]}")
+                raise ToolError(f"retriever {self.shown_url} returned a non-object hit: {str(hit)[:200]}")
         return passages
 
 
@@ -278,6 +305,9 @@ class WebSearchBackend(_HttpBackend):
                 f"search: the web backend needs a Bright Data API key in the environment variable "
                 f"{api_key_env}; export it (it is never read from config files)"
             )
+
+    def identity(self) -> dict:
+        return {"kind": "bing-brightdata", "endpoint": self.endpoint, "zone": self.zone, "location": self.location}
 
     def bing_url(self, query: str) -> str:
         market, language = ("zh-CN", "zh") if _CJK.search(query) else ("en-US", "en")
