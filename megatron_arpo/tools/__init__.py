@@ -4,7 +4,9 @@ Modules (each imports its own dependencies; importing this package imports nothi
 
 - `base`: `Tool`, `ToolResult`, `TransportError`/`ToolError`, and `ToolExecutor` (bounded concurrency,
   enforced timeouts, retries on transport errors only, empty-query results, per-tool stats).
-- `python_sandbox`: `PythonSandboxTool`, one confined throw-away process per call.
+- `python_sandbox`: `PythonSandboxTool`, one isolated, limited bubblewrap run per call;
+  `containment` builds the sandbox (namespaces, read-only interpreter view, rlimits, best_effort fallback),
+  `run_limits` bounds a run as a whole (memory cgroup, CPU/memory meter).
 - `search`: `SearchTool` with the `local` (bm25s), `http` (FlashRAG retriever) and `web` (Bing via
   Bright Data) backends, and the query normalisation used as cache key.
 - `cache`: `ToolCache`, a SQLite cache shared across processes, with in-flight de-duplication and

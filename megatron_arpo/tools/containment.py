@@ -54,6 +54,9 @@ _VIEW_HELPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sandbo
 # /proc/1/environ: nothing of the trainer's environment may be in it.
 BWRAP_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
 SHM_BYTES = 16 * 1024 * 1024
+# Bound only with `isolate_network: false`.
+_NETWORK_FILES = ("/etc/resolv.conf", "/etc/hosts", "/etc/nsswitch.conf", "/etc/ssl", "/etc/ca-certificates",
+                  "/usr/share/ca-certificates")
 # Tasks of a run that are not the code's own: bwrap's init (PID 1) and the interpreter itself.
 BASE_TASKS = 2
 
@@ -303,14 +306,18 @@ class BwrapCommand:
                                          "user; install `util-linux` or use an interpreter outside /root")
             self.view = MountView(blocked, user)
         self.binds = binds
-        mounts: list[str] = []
+        # The scratch mounts come first, so that an interpreter living under /tmp is bound on top of
+        # the scratch tmpfs instead of being hidden by it.
+        mounts = ["--proc", "/proc", "--dev", "/dev",
+                  "--size", str(limits.disk_bytes), "--tmpfs", "/tmp",
+                  "--size", str(SHM_BYTES), "--tmpfs", "/dev/shm"]
         for target, link in links:
             mounts += ["--symlink", target, link]
         for path in binds:
             mounts += ["--ro-bind", path, path]
-        mounts += ["--proc", "/proc", "--dev", "/dev",
-                   "--size", str(limits.disk_bytes), "--tmpfs", "/tmp",
-                   "--size", str(SHM_BYTES), "--tmpfs", "/dev/shm"]
+        if not isolate_network:  # the host network is shared: names must resolve and TLS must verify
+            for path in _NETWORK_FILES:
+                mounts += ["--ro-bind-try", path, path]
         self._mounts = mounts
         self._env: list[str] = []
         for key, value in sandbox_environment(python, "/tmp").items():
