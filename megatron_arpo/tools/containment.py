@@ -153,8 +153,8 @@ def interpreter_files(python: str) -> tuple[list[str], list[tuple[str, str]]]:
     except (OSError, subprocess.SubprocessError, ValueError, IndexError) as exc:
         raise ValueError(f"python sandbox: cannot run the interpreter {python}: {exc}; "
                          "set tools.python.python_executable to a working Python 3 interpreter") from exc
-    prefixes = {os.path.realpath(p) for p in (info["prefix"], info["base_prefix"])}
-    prefixes |= {p for p in (info["prefix"], info["base_prefix"])}
+    prefixes = {info["prefix"], info["base_prefix"]}
+    prefixes |= {os.path.realpath(p) for p in prefixes}
     wanted = [python, os.path.realpath(python)]
     venv_cfg = os.path.join(os.path.dirname(os.path.dirname(python)), "pyvenv.cfg")
     if os.path.isfile(venv_cfg):
