@@ -58,7 +58,7 @@ def _run_slurm(args) -> int:
     import shlex
 
     from launchers.options import launcher_options
-    from launchers.slurm import log_paths, render_sbatch, submit
+    from launchers.slurm import container_mount_paths, log_paths, render_sbatch, submit
 
     from megatron_arpo.config import load_config
 
@@ -67,8 +67,9 @@ def _run_slurm(args) -> int:
     overrides.update({k: getattr(args, k) for k in SLURM_FLAGS if getattr(args, k) is not None})
     opts = launcher_options(cfg.launcher, overrides)
     command = shlex.split(args.command) if args.command else None
+    mounts = container_mount_paths(cfg)
     if args.dry_run:
-        print(render_sbatch(opts, command=command))
+        print(render_sbatch(opts, command=command, mounts=mounts))
         return 0
     run_dir = Path(opts.run_dir).resolve()
     opts.run_dir = str(run_dir)
@@ -77,7 +78,7 @@ def _run_slurm(args) -> int:
     tmp = run_dir / ".config.yaml.tmp"
     tmp.write_text(cfg.dump_yaml())
     os.replace(tmp, run_dir / "config.yaml")
-    job_id = submit(render_sbatch(opts, command=command), run_dir, opts.job_name)
+    job_id = submit(render_sbatch(opts, command=command, mounts=mounts), run_dir, opts.job_name)
     print(f"submitted job {job_id}")
     print(f"script: {run_dir / (opts.job_name + '.sbatch')}")
     for path in log_paths(opts, job_id, str(run_dir)):
@@ -111,10 +112,15 @@ def _add_ray_node(sub) -> None:
     p.add_argument("--num-nodes", type=int, default=None, help="default: SLURM_NNODES")
     p.add_argument("--node-id", type=int, default=None, help="default: SLURM_NODEID")
     p.add_argument("--job-id", default=None, help="default: SLURM_JOB_ID")
-    p.add_argument("--gcs-port", type=int, default=6379)
-    p.add_argument("--client-server-port", type=int, default=10001)
-    p.add_argument("--node-port-base", type=int, default=20000)
+    p.add_argument("--port-range", default="20000-32000",
+                   help="LO-HI: this job's port blocks are derived from the job id inside it and checked free")
     p.add_argument("--ports-per-node", type=int, default=200)
+    p.add_argument("--node-port-base", type=int, default=None, help="pin node 0's block here (no derivation)")
+    p.add_argument("--gcs-port", type=int, default=None, help="default: inside the head's block")
+    p.add_argument("--client-server-port", type=int, default=None, help="default: inside the head's block")
+    p.add_argument("--log-sync-seconds", type=float, default=60.0,
+                   help="copy Ray's session logs to <run-dir>/logs/ray this often (0: only at the end)")
+    p.add_argument("--ray-log-dir", default=None, help="default: <run-dir>/logs/ray")
     p.add_argument("--interface", default=None, help="NIC for Ray/NCCL/Gloo (default: NCCL_SOCKET_IFNAME, "
                                                      "GLOO_SOCKET_IFNAME, default route, lo)")
     p.add_argument("--num-cpus", type=int, default=None)
@@ -128,17 +134,24 @@ def _add_ray_node(sub) -> None:
 
 def _run_ray_node(args) -> int:
     from megatron_arpo.cluster.bootstrap import NodeOptions, PortPlan, run_ray_node
+    from megatron_arpo.cluster.ports import parse_port_range
 
     driver = list(args.driver)
     if driver and driver[0] == "--":
         driver = driver[1:]
-    opts = NodeOptions.from_slurm_env(
-        args.run_dir, num_nodes=args.num_nodes, node_id=args.node_id, job_id=args.job_id,
-        ports=PortPlan(gcs_port=args.gcs_port, client_server_port=args.client_server_port,
-                       node_port_base=args.node_port_base, ports_per_node=args.ports_per_node),
-        interface=args.interface, num_cpus=args.num_cpus, num_gpus=args.num_gpus,
-        object_store_memory=args.object_store_memory, ready_timeout=args.ready_timeout,
-        temp_root=args.temp_root, node_log_template=args.node_log_template)
+    try:
+        opts = NodeOptions.from_slurm_env(
+            args.run_dir, num_nodes=args.num_nodes, node_id=args.node_id, job_id=args.job_id,
+            ports=PortPlan(ports_per_node=args.ports_per_node, port_range=parse_port_range(args.port_range),
+                           node_port_base=args.node_port_base, gcs_port=args.gcs_port,
+                           client_server_port=args.client_server_port),
+            interface=args.interface, num_cpus=args.num_cpus, num_gpus=args.num_gpus,
+            object_store_memory=args.object_store_memory, ready_timeout=args.ready_timeout,
+            temp_root=args.temp_root, node_log_template=args.node_log_template,
+            log_sync_seconds=args.log_sync_seconds, ray_log_root=args.ray_log_dir)
+    except ValueError as exc:
+        print(f"[ray-node] ERROR: {exc}", file=sys.stderr, flush=True)
+        return 2
     try:
         return run_ray_node(opts, driver)
     except (TimeoutError, RuntimeError, ValueError) as exc:

@@ -7,7 +7,7 @@ What ``launch_local`` does:
 2. Starts ``--nodes`` processes of ``python -m launchers ray-node`` on this host — what ``srun`` runs on
    each Slurm node — with node ids 0..N-1 and a job id ``local<pid>``. So the local cluster is formed by
    the same code as the Slurm one (``megatron_arpo.cluster.bootstrap``): the launcher config's port
-   plan gives each raylet its own block of ports, each node its own short temp dir
+   plan gives each raylet its own block of ports (derived from the job id and checked free), each node its own short temp dir
    (``<temp_root>/ma-local<pid>-<k>``), workers wait for the head's published address, the head waits
    until all nodes are alive (``launcher.ready_timeout``) and then runs the job with ``RAY_ADDRESS``.
    The NIC is ``launcher.network_interface`` or, for a one-host cluster, loopback.
@@ -29,6 +29,7 @@ started inside an allocation is still a local cluster.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shlex
@@ -86,39 +87,32 @@ class LocalLaunch:
 def plan_local_launch(cfg, num_nodes: int = 1, command: Sequence[str] | None = None,
                       job_id: str | None = None) -> LocalLaunch:
     """The commands of a local launch of experiment config ``cfg`` (an ``ExperimentConfig``)."""
-    from megatron_arpo.cluster.bootstrap import NodeOptions, PortPlan
+    from launchers.slurm import ray_node_args
+    from megatron_arpo.cluster.bootstrap import NodeOptions, plan_from_launcher
 
     if num_nodes < 1:
         raise ValueError(f"launch local: --nodes {num_nodes}; allowed: an integer >= 1")
     la = cfg.launcher
     run_dir = Path(cfg.run_dir).resolve()
     job_id = job_id or f"local{os.getpid()}"
-    ports = PortPlan(gcs_port=la.ray_gcs_port, client_server_port=la.ray_client_server_port,
-                     node_port_base=la.ray_node_port_base, ports_per_node=la.ray_ports_per_node)
-    for k in range(num_nodes):
-        ports.node_ports(k)  # raises naming the launcher key when the plan does not fit
+    ports = plan_from_launcher(dataclasses.asdict(la))
+    for k in range(num_nodes):  # raises naming the launcher key when the plan cannot fit
+        ports.layout(next(ports.candidate_bases(job_id, k, num_nodes)), head=k == 0)
     logs = run_dir / "logs"
     template = str(logs / f"{la.job_name}-{job_id}-node{{node_id}}.out")
     node_logs = [Path(template.format(node_id=k)) for k in range(num_nodes)]
     head_log = node_logs[0]  # as on Slurm, node 0's log holds the job's output
     job_command = expand_run_dir(command, run_dir) if command else default_local_command(run_dir)
+    shared = ray_node_args(la, run_dir=str(run_dir), log_template=template, detect_gpus=True)
+    if not la.network_interface:
+        shared.append(f"--interface={DEFAULT_INTERFACE}")
     node_commands, temp_dirs = [], []
     for k in range(num_nodes):
         opts = NodeOptions(run_dir=run_dir, num_nodes=num_nodes, node_id=k, job_id=job_id, ports=ports,
                            temp_root=la.temp_root)  # validates the temp dir's socket-path length
         temp_dirs.append(opts.temp_dir)
-        cmd = [sys.executable, "-m", "launchers", "ray-node", f"--run-dir={run_dir}", f"--num-nodes={num_nodes}",
-               f"--node-id={k}", f"--job-id={job_id}", f"--gcs-port={ports.gcs_port}",
-               f"--client-server-port={ports.client_server_port}", f"--node-port-base={ports.node_port_base}",
-               f"--ports-per-node={ports.ports_per_node}", f"--interface={la.network_interface or DEFAULT_INTERFACE}",
-               f"--ready-timeout={la.ready_timeout:g}", f"--temp-root={la.temp_root}",
-               f"--node-log-template={template}"]
-        if la.num_cpus is not None:
-            cmd.append(f"--num-cpus={la.num_cpus}")
-        if la.gpus_per_node == 0:
-            cmd.append("--num-gpus=0")  # else Ray detects this host's GPUs
-        if la.object_store_memory is not None:
-            cmd.append(f"--object-store-memory={la.object_store_memory}")
+        cmd = [sys.executable, "-m", "launchers", "ray-node", f"--num-nodes={num_nodes}", f"--node-id={k}",
+               f"--job-id={job_id}", *shared]
         if k == 0:
             cmd += ["--", *job_command]
         node_commands.append(cmd)

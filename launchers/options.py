@@ -24,7 +24,11 @@ class LauncherOptions:
 
     nodes: int = 1
     gpus_per_node: int = 8
+    # Resources of the one task per node. The defaults give the job whole nodes: --exclusive, every CPU
+    # (no --cpus-per-task: the step gets all CPUs of an exclusive node) and --mem=0 (all memory).
     cpus_per_task: int | None = None
+    memory_per_node: str | None = "all"  # "all" = --mem=0, a Slurm size ("480G"), or None = site default
+    exclusive: bool = True
     partition: str | None = None
     account: str | None = None
     qos: str | None = None
@@ -33,6 +37,7 @@ class LauncherOptions:
     # Relative paths are relative to the submit directory; logs go to <run_dir>/logs.
     run_dir: str = "runs/megatron-arpo"
     container_image: str | None = None  # pyxis/enroot: srun --container-image
+    # Extra pyxis mounts; the submit dir, the run dir and the config's data paths are always mounted.
     container_mounts: str | None = None
     # Preemption: Slurm sends USR1 to the batch shell this many seconds before the time limit.
     signal_lead_seconds: int = 300
@@ -44,10 +49,14 @@ class LauncherOptions:
     python: str = "python"  # interpreter that runs `-m launchers` on the nodes
     # Ray bootstrap
     network_interface: str | None = None
-    ray_gcs_port: int = 6379
-    ray_client_server_port: int = 10001
-    ray_node_port_base: int = 20000
+    # Per-job port blocks from this range, derived from the job id and checked free
+    # (megatron_arpo.cluster.ports); ray_node_port_base pins node 0's block instead.
+    ray_port_range: str = "20000-32000"
     ray_ports_per_node: int = 200
+    ray_node_port_base: int | None = None
+    ray_gcs_port: int | None = None  # None = inside the head's block
+    ray_client_server_port: int | None = None
+    ray_log_sync_seconds: int = 60  # copy Ray's node-local session logs to <run_dir>/logs/ray this often
     num_cpus: int | None = None
     object_store_memory: int | None = None
     ready_timeout: float = 300.0
@@ -82,6 +91,13 @@ def validate_launcher_options(opts: LauncherOptions) -> None:
         raise bad("ready_timeout", opts.ready_timeout, "a positive number of seconds")
     if not isinstance(opts.env, dict) or not all(isinstance(k, str) for k in opts.env):
         raise bad("env", opts.env, "a mapping of environment variable names to values")
+    from megatron_arpo.cluster.allocation import resource_problems
+    from megatron_arpo.cluster.ports import parse_port_range
+
+    for problem in resource_problems(opts):
+        raise ValueError(problem)
+
+    parse_port_range(opts.ray_port_range)
 
 
 def _as_mapping(cfg: Any) -> dict[str, Any]:

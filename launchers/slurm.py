@@ -14,7 +14,20 @@ the head node runs the driver command), and a preemption protocol:
    command, whose ``--resume auto`` picks up the checkpoint. Past the cap it exits with the code.
 
 Any other exit code of the step is the exit code of the job. Per-node logs are
-``<run_dir>/logs/<job_name>-<jobid>-node<k>.out``; the batch shell logs to ``<job_name>-<jobid>.out``.
+``<run_dir>/logs/<job_name>-<jobid>-node<k>.out``; the batch shell logs to ``<job_name>-<jobid>.out``;
+Ray's session logs are copied to ``<run_dir>/logs/ray/<jobid>.<restart>/node<k>/``.
+
+Resources (``launcher.exclusive``, ``cpus_per_task``, ``memory_per_node``): by default the job takes whole
+nodes — ``--exclusive``, ``--mem=0`` (all memory) and no CPU count (a step then gets every CPU the job
+holds on the node). Without them many sites run the task in a 1-CPU cgroup with ``DefMemPerCPU``, while
+Ray would still advertise every host CPU; the bootstrap starts Ray with what the allocation really gives
+(``megatron_arpo.cluster.allocation``). Shared nodes need explicit ``cpus_per_task`` and
+``memory_per_node`` (the config validation says so). Ray ports come per job from
+``launcher.ray_port_range`` (``megatron_arpo.cluster.ports``).
+
+Containers (pyxis, ``launcher.container_image``): the step runs in the image with the submit directory
+as its working directory, and the submit directory, the run directory and every absolute data/checkpoint
+path of the config mounted at the same paths (``container_mount_paths``), plus ``container_mounts``.
 """
 
 from __future__ import annotations
@@ -47,7 +60,7 @@ def _run_dir_expr(run_dir: str) -> str:
     if os.path.isabs(run_dir):
         return shlex.quote(run_dir)
     # Relative run dirs are relative to where sbatch was called (Slurm's default working directory).
-    return '"${SLURM_SUBMIT_DIR:-$PWD}"/' + shlex.quote(run_dir)
+    return '"$SUBMIT_DIR"/' + shlex.quote(run_dir)
 
 
 def log_paths(opts: LauncherOptions, job_id: str, run_dir: str | None = None) -> list[str]:
@@ -57,31 +70,62 @@ def log_paths(opts: LauncherOptions, job_id: str, run_dir: str | None = None) ->
         str(logs / f"{opts.job_name}-{job_id}-node{k}.out") for k in range(opts.nodes)]
 
 
-def ray_node_args(opts, *, run_dir: str, log_template: str, quote=lambda text: text) -> list[str]:
+def ray_node_args(opts, *, run_dir: str, log_template: str, quote=lambda text: text,
+                  detect_gpus: bool = False) -> list[str]:
     """The ``python -m launchers ray-node`` options for a launcher config: the port plan, timeouts,
-    temp root, NIC and resources. The sbatch script renders them (``quote=shlex.quote``, shell variables
-    in ``run_dir``/``log_template``); ``connect_ray`` passes them to srun as a plain argv."""
-    args = [f"--run-dir={run_dir}", f"--gcs-port={opts.ray_gcs_port}",
-            f"--client-server-port={opts.ray_client_server_port}", f"--node-port-base={opts.ray_node_port_base}",
-            f"--ports-per-node={opts.ray_ports_per_node}", f"--ready-timeout={opts.ready_timeout:g}",
-            f"--temp-root={quote(opts.temp_root)}", f"--node-log-template={log_template}"]
+    temp root, NIC, resources and where Ray's session logs are copied. The sbatch script renders them
+    (``quote=shlex.quote``, shell variables in ``run_dir``/``log_template``); ``connect_ray`` passes them
+    to srun as a plain argv; ``launch local`` too, with ``detect_gpus`` (Ray counts this host's GPUs
+    unless the config says 0)."""
+    args = [f"--run-dir={run_dir}", f"--port-range={opts.ray_port_range}", f"--ports-per-node={opts.ray_ports_per_node}"]
+    for key, flag in (("ray_node_port_base", "node-port-base"), ("ray_gcs_port", "gcs-port"),
+                      ("ray_client_server_port", "client-server-port")):
+        if getattr(opts, key) is not None:
+            args.append(f"--{flag}={getattr(opts, key)}")
+    args += [f"--ready-timeout={opts.ready_timeout:g}", f"--temp-root={quote(opts.temp_root)}",
+             f"--node-log-template={log_template}", f"--ray-log-dir={run_dir}/logs/ray",
+             f"--log-sync-seconds={opts.ray_log_sync_seconds}"]
     if opts.network_interface:
         args.append(f"--interface={quote(opts.network_interface)}")
     if opts.num_cpus is not None:
         args.append(f"--num-cpus={opts.num_cpus}")
-    args.append(f"--num-gpus={opts.gpus_per_node}")
+    if not detect_gpus or opts.gpus_per_node == 0:
+        args.append(f"--num-gpus={opts.gpus_per_node}")
     if opts.object_store_memory is not None:
         args.append(f"--object-store-memory={opts.object_store_memory}")
     return args
 
 
+def container_mount_paths(cfg: Any) -> list[str]:
+    """Absolute host directories an experiment config reads or writes outside the submit directory
+    (relative paths live under it, which the container mounts anyway): checkpoints, data, corpus, outputs."""
+    if cfg is None:
+        return []
+    values = [cfg.model.hf_checkpoint, cfg.model.tokenizer, cfg.data.chat_template, cfg.tools.search.corpus,
+              cfg.sft.output_dir, cfg.eval.data_dir, cfg.eval.output_dir,
+              *cfg.data.train_files, *cfg.data.val_files, *cfg.sft.train_files]
+    if cfg.tools.cache is not None:
+        values.append(cfg.tools.cache.path)
+    dirs: list[str] = []
+    for value in values:
+        if not value or not os.path.isabs(value):
+            continue
+        path = Path(value)
+        directory = str(path if path.is_dir() or not path.suffix else path.parent)
+        if directory not in dirs:
+            dirs.append(directory)
+    # A directory inside another one is mounted with it.
+    return [d for d in dirs if not any(d != o and d.startswith(o.rstrip("/") + "/") for o in dirs)]
+
+
 def render_sbatch(cfg: Any = None, cli_overrides: Mapping[str, Any] | None = None,
-                  command: Sequence[str] | None = None) -> str:
+                  command: Sequence[str] | None = None, mounts: Sequence[str] = ()) -> str:
     """The sbatch script for the launcher config ``cfg`` with CLI overrides applied.
 
     ``command`` is the driver run on the head node once all Ray nodes registered (default:
     ``megatron-arpo train --config $RUN_DIR/config.yaml --resume auto``); ``$RUN_DIR`` in it expands in
-    the job.
+    the job. ``mounts``: host directories the container must see at the same path (data, checkpoints;
+    ``container_mount_paths``), besides the submit and run directories.
     """
     opts = cfg if isinstance(cfg, LauncherOptions) and not cli_overrides else launcher_options(cfg, cli_overrides)
     command = list(command) if command else default_command()
@@ -91,8 +135,14 @@ def render_sbatch(cfg: Any = None, cli_overrides: Mapping[str, Any] | None = Non
     sb = [f"--job-name={opts.job_name}", f"--nodes={opts.nodes}", "--ntasks-per-node=1"]
     if opts.gpus_per_node:
         sb.append(f"--gpus-per-node={opts.gpus_per_node}")
+    # Resources: without them many sites give the task one CPU and DefMemPerCPU of memory, while Ray
+    # would still see the whole host. Default: whole nodes (--exclusive, all CPUs, --mem=0 = all memory).
+    if opts.exclusive:
+        sb.append("--exclusive")
     if opts.cpus_per_task:
         sb.append(f"--cpus-per-task={opts.cpus_per_task}")
+    if opts.memory_per_node is not None:
+        sb.append(f"--mem={0 if opts.memory_per_node == 'all' else opts.memory_per_node}")
     for key in ("partition", "account", "qos"):
         if getattr(opts, key):
             sb.append(f"--{key}={getattr(opts, key)}")
@@ -104,10 +154,12 @@ def render_sbatch(cfg: Any = None, cli_overrides: Mapping[str, Any] | None = Non
 
     srun = ["srun", f"--nodes={opts.nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=0",
             "--open-mode=append", '--output="$RUN_DIR/logs/%x-%j-node%n.out"']
+    if opts.cpus_per_task:  # srun >= 22.05 does not inherit --cpus-per-task from sbatch
+        srun.append(f"--cpus-per-task={opts.cpus_per_task}")
+    # Without -c a step gets every CPU the job holds on each node (the whole node when exclusive).
     if opts.container_image:
-        srun.append(f"--container-image={shlex.quote(opts.container_image)}")
-        if opts.container_mounts:
-            srun.append(f"--container-mounts={shlex.quote(opts.container_mounts)}")
+        srun += [f"--container-image={shlex.quote(opts.container_image)}", '--container-mounts="$CONTAINER_MOUNTS"',
+                 '--container-workdir="$SUBMIT_DIR"']
     node = [opts.python, "-m", "launchers", "ray-node",
             *ray_node_args(opts, run_dir='"$RUN_DIR"',
                            log_template='"$RUN_DIR/logs/${SLURM_JOB_NAME}-${SLURM_JOB_ID}-node{node_id}.out"',
@@ -117,13 +169,19 @@ def render_sbatch(cfg: Any = None, cli_overrides: Mapping[str, Any] | None = Non
     lines = ["#!/bin/bash", f"# megatron-arpo job '{opts.job_name}': rendered by `megatron-arpo launch slurm`; "
              "edit the YAML, not this file."]
     lines += [f"#SBATCH {line}" for line in sb]
-    lines += ["", "set -uo pipefail", f"RUN_DIR={_run_dir_expr(run_dir)}",
+    lines += ["", "set -uo pipefail", 'SUBMIT_DIR="${SLURM_SUBMIT_DIR:-$PWD}"', f"RUN_DIR={_run_dir_expr(run_dir)}",
               f"PREEMPT_EXIT_CODE={opts.preempt_exit_code}", f"MAX_REQUEUES={opts.max_requeues}",
               f"REQUEUE={1 if opts.requeue else 0}", f"PREEMPT_GRACE={opts.preempt_grace_seconds}",
               'RESTART_COUNT="${SLURM_RESTART_COUNT:-0}"',
               "export MEGATRON_ARPO_RUN_DIR=\"$RUN_DIR\""]
     for key, value in opts.env.items():
         lines.append(f"export {key}={shlex.quote(str(value))}")
+    if opts.container_image:
+        # The container sees the submit dir (relative config paths), the run dir and the data paths at the
+        # same paths as the host, and starts in the submit dir.
+        parts = [opts.container_mounts] if opts.container_mounts else []
+        parts += ['$SUBMIT_DIR:$SUBMIT_DIR', '$RUN_DIR:$RUN_DIR'] + [f"{m}:{m}" for m in mounts]
+        lines.append(f'CONTAINER_MOUNTS={_quote_keep_vars(",".join(parts))}')
     lines += list(opts.setup_commands)
     lines += ['mkdir -p "$RUN_DIR/logs"',
               'echo "[launcher] job $SLURM_JOB_ID restart $RESTART_COUNT on $SLURM_JOB_NODELIST; logs in $RUN_DIR/logs"',

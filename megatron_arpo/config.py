@@ -540,16 +540,10 @@ def validate(cfg: ExperimentConfig) -> list[str]:
     if not t.resume.strip():
         errors.append("trainer.resume: empty; allowed: auto | none | PATH of a checkpoint")
     la = cfg.launcher
-    top = la.ray_node_port_base + la.nodes * la.ray_ports_per_node - 1
-    if top > 65535:
-        errors.append(f"launcher.ray_node_port_base: {la.nodes} nodes x {la.ray_ports_per_node} ports from "
-                      f"{la.ray_node_port_base} end at {top} > 65535; lower ray_node_port_base or ray_ports_per_node")
-    for key in ("ray_gcs_port", "ray_client_server_port"):
-        if la.ray_node_port_base <= getattr(la, key) <= top:
-            errors.append(f"launcher.{key}: {getattr(la, key)} falls inside the per-node port blocks "
-                          f"{la.ray_node_port_base}-{top}")
-    if la.ray_gcs_port == la.ray_client_server_port:
-        errors.append(f"launcher.ray_client_server_port: {la.ray_client_server_port} equals launcher.ray_gcs_port")
+    errors.extend(_launcher_port_problems(la))
+    from megatron_arpo.cluster.allocation import resource_problems
+
+    errors.extend(resource_problems(la))
     if not la.job_name or any(c.isspace() for c in la.job_name):
         errors.append(f"launcher.job_name: {la.job_name!r}; allowed: a non-empty name without spaces")
     if not re.match(r"^(\d+-)?\d+(:\d{1,2}){0,2}$", la.time):
@@ -558,6 +552,35 @@ def validate(cfg: ExperimentConfig) -> list[str]:
         if is_secret_key(name):
             errors.append(f"launcher.env.{name}: secrets must not be written in config files; export {name} "
                           f"in the submitting shell instead")
+    return errors
+
+
+def _launcher_port_problems(la: LauncherSection) -> list[str]:
+    from megatron_arpo.cluster.ports import parse_port_range
+
+    errors = []
+    try:
+        lo, hi = parse_port_range(la.ray_port_range)
+    except ValueError as exc:
+        return [str(exc)]
+    if la.ray_node_port_base is None:
+        blocks = (hi - lo + 1) // la.ray_ports_per_node
+        if blocks < la.nodes:
+            errors.append(f"launcher.ray_port_range: {la.ray_port_range} holds {blocks} blocks of "
+                          f"{la.ray_ports_per_node} ports but {la.nodes} nodes need {la.nodes}; widen it or lower "
+                          f"launcher.ray_ports_per_node")
+        return errors
+    base = la.ray_node_port_base
+    top = base + la.nodes * la.ray_ports_per_node - 1
+    if top > 65535:
+        errors.append(f"launcher.ray_node_port_base: {la.nodes} nodes x {la.ray_ports_per_node} ports from "
+                      f"{base} end at {top} > 65535; lower ray_node_port_base or ray_ports_per_node")
+    for key in ("ray_gcs_port", "ray_client_server_port"):
+        value = getattr(la, key)
+        if value is not None and base <= value <= top:
+            errors.append(f"launcher.{key}: {value} falls inside the per-node port blocks {base}-{top}")
+    if la.ray_gcs_port is not None and la.ray_gcs_port == la.ray_client_server_port:
+        errors.append(f"launcher.ray_client_server_port: {la.ray_client_server_port} equals launcher.ray_gcs_port")
     return errors
 
 

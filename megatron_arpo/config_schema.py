@@ -272,20 +272,22 @@ class LoggingSection:
 # ------------------------------------------------------------------------------------------ launcher
 # Flat, with the field names of launchers.options.LauncherOptions, so that
 # ``launcher_options(cfg.launcher, {"run_dir": cfg.trainer.run_dir})`` takes the section as it is.
-# The ray_* ports are megatron_arpo.cluster.bootstrap.PortPlan: node k uses the block
-# ray_node_port_base + k * ray_ports_per_node.
+# The ray_* ports are megatron_arpo.cluster.ports.PortPlan: per-job blocks from ray_port_range, derived
+# from the Slurm job id and checked free; ray_node_port_base pins node k to base + k * ray_ports_per_node.
 @dataclass(frozen=True)
 class LauncherSection:
     nodes: int = _f(1, ge=1)
     gpus_per_node: int = _f(8, ge=0, help="0 = CPU-only nodes")
-    cpus_per_task: Optional[int] = _f(None, ge=1)
+    cpus_per_task: Optional[int] = _f(None, ge=1, help="CPUs of the one task per node; null = all (needs exclusive)")
+    memory_per_node: Optional[str] = _f("all", help="all = --mem=0 (the whole node), a Slurm size (480G), null = site default")
+    exclusive: bool = _f(True, help="--exclusive: whole nodes (other jobs' processes would share the GPUs' CPUs)")
     partition: Optional[str] = _f(None)
     account: Optional[str] = _f(None)
     qos: Optional[str] = _f(None)
     time: str = _f("24:00:00", help="Slurm time limit (HH:MM:SS or D-HH:MM:SS); quote it in YAML")
     job_name: str = _f("megatron-arpo")
     container_image: Optional[str] = _f(None, help="pyxis/enroot: srun --container-image")
-    container_mounts: Optional[str] = _f(None, help="pyxis: srun --container-mounts")
+    container_mounts: Optional[str] = _f(None, help="extra pyxis mounts; submit dir, run dir and data paths are added")
     signal_lead_seconds: int = _f(300, ge=0, le=65535, help="USR1 this long before the time limit")
     requeue: bool = _f(True, help="requeue after a preemption checkpoint")
     max_requeues: int = _f(3, ge=0)
@@ -293,10 +295,12 @@ class LauncherSection:
     preempt_grace_seconds: int = _f(0, ge=0, help="wait for the step after forwarding USR1; 0 = no limit")
     python: str = _f("python", help="interpreter that runs `-m launchers` on the nodes")
     network_interface: Optional[str] = _f(None, help="NCCL/GLOO_SOCKET_IFNAME; null = env, default route")
-    ray_gcs_port: int = _f(6379, ge=1024, le=65535)
-    ray_client_server_port: int = _f(10001, ge=1024, le=65535)
-    ray_node_port_base: int = _f(20000, ge=1024, le=65535, help="first port of node 0's block")
+    ray_port_range: str = _f("20000-32000", help="LO-HI: per-job port blocks, derived from the job id, checked free")
     ray_ports_per_node: int = _f(200, ge=20, help="10 service ports + worker ports per node")
+    ray_node_port_base: Optional[int] = _f(None, ge=1024, le=65535, help="pin node 0's block here; null = per job")
+    ray_gcs_port: Optional[int] = _f(None, ge=1024, le=65535, help="null = inside the head's block")
+    ray_client_server_port: Optional[int] = _f(None, ge=1024, le=65535, help="null = inside the head's block")
+    ray_log_sync_seconds: int = _f(60, ge=0, help="copy Ray session logs to <run_dir>/logs/ray this often; 0 = at the end")
     num_cpus: Optional[int] = _f(None, ge=1, help="CPUs Ray advertises per node; null = detected")
     object_store_memory: Optional[int] = _f(None, ge=1, help="bytes per node; null = Ray default")
     ready_timeout: float = _f(300.0, gt=0, help="seconds to wait for the head address and for all nodes")

@@ -2,10 +2,14 @@
 
 One process per node (an ``srun`` task, ``python -m launchers ray-node``) calls ``run_ray_node``:
 
-- **Ports** come from a fixed plan (``PortPlan``): the head's GCS port, and per node a block of ports
-  offset by ``SLURM_NODEID`` (node manager, object manager, metrics, dashboard agent, runtime-env agent,
-  a worker port range), so several raylets coexist on one host — as the "nodes" of the local test
-  cluster do, and as happens when Slurm packs two jobs' nodes onto one machine. The dashboard is off.
+- **Ports**: each node takes a block of ports derived from the job id and checked free
+  (``megatron_arpo.cluster.ports.PortPlan``: node manager, object manager, metrics, dashboard agent,
+  runtime-env agent, the head's GCS and Ray-client ports, a worker port range), so two jobs on one host
+  and the "nodes" of the local test cluster never collide. A pinned plan (``launcher.ray_node_port_base``)
+  keeps fixed ports for sites that need them. The dashboard is off.
+- **CPUs**: Ray is started with ``--num-cpus`` = what the allocation really gives this node
+  (``megatron_arpo.cluster.allocation.allocated_cpus``: affinity mask, cgroup quota, ``SLURM_CPUS_ON_NODE``)
+  unless ``launcher.num_cpus`` says otherwise.
 - **Temp dirs** are per node and short (``/tmp/ma-<jobid>-<nodeid>``): Ray puts unix sockets under it
   and a socket path is limited to 107 bytes.
 - **NIC**: the interface comes from the launcher config, else ``NCCL_SOCKET_IFNAME``/``GLOO_SOCKET_IFNAME``,
@@ -22,6 +26,9 @@ One process per node (an ``srun`` task, ``python -m launchers ray-node``) calls 
   unreachable), so ``srun`` tasks live exactly as long as the job needs them. Each node stops only the
   processes it started (the ``ray start`` process tree and processes naming its own temp dir) — never
   ``ray stop``, which would kill every raylet on a shared host.
+- **Logs**: Ray's session logs live in the node-local temp dir; ``RayLogSync`` copies them to
+  ``<run_dir>/logs/ray/<jobid>.<restart>/node<k>/`` every ``launcher.ray_log_sync_seconds`` and when the
+  node stops.
 - **Signals**: Ray's processes and the driver start with SIGUSR1 ignored (Slurm signals every process
   of a step, and USR1's default action is to exit); the trainer installs its own handler. Inside a
   Slurm step the driver receives the preemption notice from slurmstepd directly; outside Slurm the head
@@ -48,6 +55,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
+from megatron_arpo.cluster.ports import PortPlan  # noqa: F401  (re-exported)
+
 logger = logging.getLogger(__name__)
 
 # Ray places sockets at <temp_dir>/session_<date>_<time>_<micro>_<pid>/sockets/plasma_store (~70 bytes
@@ -55,51 +64,6 @@ logger = logging.getLogger(__name__)
 RAY_SOCKET_SUFFIX_BYTES = 72
 UNIX_SOCKET_PATH_MAX = 107
 NODE_LABEL = "megatron-arpo/node-id"
-
-
-@dataclass(frozen=True)
-class PortPlan:
-    """Fixed ports for every process of every node; node k uses block ``node_port_base + k*ports_per_node``.
-
-    Within a node's block: +0 node manager, +1 object manager, +2 metrics export, +3 dashboard agent
-    HTTP, +4 dashboard agent gRPC, +5 runtime-env agent, +10 .. +ports_per_node-1 Ray worker ports.
-    The head also uses ``gcs_port`` and ``client_server_port``.
-    """
-
-    gcs_port: int = 6379
-    client_server_port: int = 10001
-    node_port_base: int = 20000
-    ports_per_node: int = 200
-
-    def __post_init__(self) -> None:
-        if self.ports_per_node < 20:
-            raise ValueError(f"launcher.ray_ports_per_node must be >= 20 (10 service ports + workers), "
-                             f"got {self.ports_per_node}")
-        for name in ("gcs_port", "client_server_port", "node_port_base"):
-            value = getattr(self, name)
-            if not 1024 <= value <= 65535:
-                raise ValueError(f"port plan: {name}={value} must be in 1024..65535")
-
-    def node_ports(self, node_id: int) -> dict[str, int]:
-        base = self.node_port_base + node_id * self.ports_per_node
-        top = base + self.ports_per_node - 1
-        if top > 65535:
-            raise ValueError(f"port plan: node {node_id} needs ports up to {top} > 65535; lower "
-                             f"launcher.ray_node_port_base ({self.node_port_base}) or ray_ports_per_node")
-        head_ports = {self.gcs_port, self.client_server_port}
-        if node_id == 0 and any(base <= p <= top for p in head_ports):
-            raise ValueError(f"port plan: gcs_port/client_server_port {sorted(head_ports)} fall inside the "
-                             f"per-node block {base}-{top}; move launcher.ray_node_port_base")
-        return {
-            "node_manager_port": base,
-            "object_manager_port": base + 1,
-            "metrics_export_port": base + 2,
-            "dashboard_agent_listen_port": base + 3,
-            "dashboard_agent_grpc_port": base + 4,
-            "runtime_env_agent_port": base + 5,
-            "min_worker_port": base + 10,
-            "max_worker_port": top,
-        }
 
 
 @dataclass
@@ -124,6 +88,8 @@ class NodeOptions:
     temp_root: str = "/tmp"
     node_log_template: str = ""  # e.g. "<run_dir>/logs/job-123-node{node_id}.out"
     env: Mapping[str, str] = field(default_factory=dict)
+    ray_log_root: str | None = None  # Ray session logs are copied under it; None = <run_dir>/logs/ray
+    log_sync_seconds: float = 60.0  # 0 = copy them only when the node stops
 
     def __post_init__(self) -> None:
         self.run_dir = Path(self.run_dir)
@@ -162,6 +128,11 @@ class NodeOptions:
 
     def ray_log_dir(self, node_id: int) -> str:
         return os.path.join(self.temp_root, f"ma-{self.job_id}-{node_id}", "session_latest", "logs")
+
+    def ray_log_copy(self, node_id: int) -> Path:
+        """Where node ``node_id``'s Ray session logs are copied (shared filesystem)."""
+        root = Path(self.ray_log_root) if self.ray_log_root else self.run_dir / "logs" / "ray"
+        return root / f"{self.job_id}.{self.restart_count}" / f"node{node_id}"
 
     @classmethod
     def from_slurm_env(cls, run_dir: str | os.PathLike, environ: Mapping[str, str] | None = None,
@@ -256,25 +227,45 @@ def build_node_env(opts: NodeOptions, environ: Mapping[str, str]) -> tuple[dict[
 # -- ray start -----------------------------------------------------------------------------------------
 
 def ray_start_command(opts: NodeOptions, node_ip: str, head_address: str | None = None,
-                      ray_executable: str | None = None) -> list[str]:
-    """``ray start ... --block`` for this node (head when ``head_address`` is None)."""
+                      ray_executable: str | None = None, ports: Mapping[str, int] | None = None,
+                      num_cpus: int | None = None) -> list[str]:
+    """``ray start ... --block`` for this node (head when ``head_address`` is None).
+
+    ``ports`` is this node's block (``PortPlan.choose``; default: the pinned plan's), ``num_cpus`` the
+    CPUs to advertise (default ``opts.num_cpus``; None lets Ray count the host's)."""
     ray = ray_executable or os.path.join(os.path.dirname(sys.executable), "ray")
+    ports = dict(ports if ports is not None else opts.ports.node_ports(opts.node_id))
+    gcs, client = ports.pop("gcs_port", None), ports.pop("client_server_port", None)
     cmd = [ray, "start", "--block", "--disable-usage-stats", f"--node-ip-address={node_ip}",
            f"--temp-dir={opts.temp_dir}", f"--labels={NODE_LABEL}={opts.node_id}"]
     if head_address is None:
-        cmd += ["--head", f"--port={opts.ports.gcs_port}",
-                f"--ray-client-server-port={opts.ports.client_server_port}", "--include-dashboard=false"]
+        cmd += ["--head", f"--port={gcs}", f"--ray-client-server-port={client}", "--include-dashboard=false"]
     else:
         cmd += [f"--address={head_address}"]
-    for key, value in opts.ports.node_ports(opts.node_id).items():
+    for key, value in ports.items():
         cmd.append(f"--{key.replace('_', '-')}={value}")
-    if opts.num_cpus is not None:
-        cmd.append(f"--num-cpus={opts.num_cpus}")
+    num_cpus = opts.num_cpus if num_cpus is None else num_cpus
+    if num_cpus is not None:
+        cmd.append(f"--num-cpus={num_cpus}")
     if opts.num_gpus is not None:
         cmd.append(f"--num-gpus={opts.num_gpus}")
     if opts.object_store_memory is not None:
         cmd.append(f"--object-store-memory={opts.object_store_memory}")
     return cmd
+
+
+def node_cpus(opts: NodeOptions, environ: Mapping[str, str]) -> int:
+    """The CPUs this node's raylet advertises: ``launcher.num_cpus`` or what the allocation gives."""
+    from megatron_arpo.cluster.allocation import allocated_cpus
+
+    cpus, how = allocated_cpus(environ)
+    if opts.num_cpus is None:
+        logger.info("node %d: Ray gets %d CPUs, the allocation's: %s", opts.node_id, cpus, how)
+        return cpus
+    if opts.num_cpus > cpus:
+        logger.warning("node %d: launcher.num_cpus=%d exceeds the %d CPUs this allocation gives (%s); Ray will "
+                       "oversubscribe them", opts.node_id, opts.num_cpus, cpus, how)
+    return opts.num_cpus
 
 
 def port_open(host: str, port: int, timeout: float = 0.5) -> bool:
@@ -406,9 +397,16 @@ def missing_nodes_message(opts: NodeOptions, present: set[int], waited: float) -
     lines = [f"Ray cluster formed with {len(present)}/{opts.num_nodes} nodes after {waited:.0f} s; these "
              "Slurm nodes never registered:"]
     for k in missing:
-        port = opts.ports.node_ports(k)["node_manager_port"]
-        started = "started its raylet" if opts.node_file(k).exists() else "never reported its raylet up"
-        lines.append(f"  node {k} (node-manager port {port}, {started}): check {opts.node_log(k)}, "
+        try:
+            reported = json.loads(opts.node_file(k).read_text())
+        except (OSError, ValueError):
+            reported = None
+        port = (reported or {}).get("node_manager_port")
+        if port is None and opts.ports.pinned:
+            port = opts.ports.node_ports(k)["node_manager_port"]
+        started = "started its raylet" if reported is not None else "never reported its raylet up"
+        where = f"node-manager port {port}, " if port is not None else ""
+        lines.append(f"  node {k} ({where}{started}): check {opts.node_log(k)}, "
                      f"{opts.handshake_dir / f'ray-start-node{k}.log'} and {opts.ray_log_dir(k)}")
     lines.append("Common causes: the node cannot reach the head's GCS (wrong launcher.network_interface), "
                  "a port of the plan is taken, or the node's srun task failed before ray start. "
@@ -483,13 +481,20 @@ def run_ray_node(opts: NodeOptions, command: Sequence[str] | None = None,
     logger.info("node %d/%d of job %s (restart %d): ip %s via %s, temp dir %s", opts.node_id, opts.num_nodes,
                 opts.job_id, opts.restart_count, node_ip, env["NCCL_SOCKET_IFNAME"], opts.temp_dir)
     node: RayNodeProcess | None = None
+    log_sync = None
     try:
         head_address = None
         if not is_head:
             head_address = wait_for_head(opts)["address"]
-        node = RayNodeProcess(ray_start_command(opts, node_ip, head_address), env, opts.temp_dir, ray_log)
-        ports = opts.ports.node_ports(opts.node_id)
-        need = [ports["node_manager_port"]] + ([opts.ports.gcs_port] if is_head else [])
+        _warn_ephemeral(opts.ports)
+        ports = opts.ports.choose(opts.job_id, opts.node_id, opts.num_nodes)
+        cpus = node_cpus(opts, os.environ if environ is None else environ)
+        node = RayNodeProcess(ray_start_command(opts, node_ip, head_address, ports=ports, num_cpus=cpus), env,
+                              opts.temp_dir, ray_log)
+        from megatron_arpo.cluster.allocation import RayLogSync
+
+        log_sync = RayLogSync(opts.temp_dir, opts.ray_log_copy(opts.node_id), opts.log_sync_seconds).start()
+        need = [ports["node_manager_port"]] + ([ports["gcs_port"]] if is_head else [])
 
         def node_died() -> str | None:
             if node.exited() is not None:
@@ -508,11 +513,12 @@ def run_ray_node(opts: NodeOptions, command: Sequence[str] | None = None,
                          opts.node_id, ray_log)
             return 1
         info = {"node_id": opts.node_id, "ip": node_ip, "temp_dir": opts.temp_dir, "ray_log": str(ray_log),
-                "node_log": opts.node_log(opts.node_id), **ports}
+                "node_log": opts.node_log(opts.node_id), "num_cpus": cpus,
+                "ray_session_logs": str(opts.ray_log_copy(opts.node_id)), **ports}
         write_json_atomic(opts.node_file(opts.node_id), info)
         if not is_head:
             return _serve_worker(opts, node, signals, head_address)
-        address = f"{node_ip}:{opts.ports.gcs_port}"
+        address = f"{node_ip}:{ports['gcs_port']}"
         write_json_atomic(opts.head_file, {**info, "address": address})
         nodes = wait_for_nodes(address, opts)
         signals.install()
@@ -527,6 +533,20 @@ def run_ray_node(opts: NodeOptions, command: Sequence[str] | None = None,
             write_json_atomic(opts.done_file, {"time": time.time()})
         if node is not None:
             node.stop()
+        if log_sync is not None:
+            log_sync.stop()
+
+
+def _warn_ephemeral(plan: PortPlan) -> None:
+    from megatron_arpo.cluster.ports import ephemeral_overlap
+
+    if plan.pinned:
+        return
+    overlap = ephemeral_overlap(*plan.port_range)
+    if overlap:
+        logger.warning("launcher.ray_port_range %d-%d overlaps this host's ephemeral port range %d-%d "
+                       "(net.ipv4.ip_local_port_range): outgoing connections may take Ray's ports; choose a "
+                       "range below %d", *plan.port_range, *overlap, overlap[0])
 
 
 def _run_driver(command: Sequence[str], env: Mapping[str, str], signals: _Signals) -> int:
@@ -567,16 +587,12 @@ def _serve_worker(opts: NodeOptions, node: RayNodeProcess, signals: _Signals, he
         time.sleep(1.0)
 
 
-def options_from_mapping(run_dir: str | os.PathLike, launcher: Mapping, environ: Mapping[str, str] | None = None,
-                         **overrides) -> NodeOptions:
-    """NodeOptions from a launcher-config mapping (see ``launchers.options.LauncherOptions``)."""
-    ports = PortPlan(gcs_port=launcher.get("ray_gcs_port", 6379),
-                     client_server_port=launcher.get("ray_client_server_port", 10001),
-                     node_port_base=launcher.get("ray_node_port_base", 20000),
-                     ports_per_node=launcher.get("ray_ports_per_node", 200))
-    fields = {f.name for f in dataclasses.fields(NodeOptions)}
-    direct = {k: launcher[k] for k in ("num_cpus", "num_gpus", "object_store_memory", "ready_timeout",
-                                       "temp_root") if k in launcher and k in fields}
-    if "network_interface" in launcher:
-        direct["interface"] = launcher["network_interface"]
-    return NodeOptions.from_slurm_env(run_dir, environ, ports=ports, **direct, **overrides)
+def plan_from_launcher(launcher: Mapping) -> PortPlan:
+    """The ``PortPlan`` of a launcher-config mapping (``ray_*`` keys of ``launchers.options.LauncherOptions``)."""
+    from megatron_arpo.cluster.ports import DEFAULT_PORT_RANGE, parse_port_range
+
+    text = launcher.get("ray_port_range")
+    return PortPlan(ports_per_node=launcher.get("ray_ports_per_node", 200),
+                    port_range=parse_port_range(text) if text else DEFAULT_PORT_RANGE,
+                    node_port_base=launcher.get("ray_node_port_base"), gcs_port=launcher.get("ray_gcs_port"),
+                    client_server_port=launcher.get("ray_client_server_port"))
