@@ -56,7 +56,7 @@ def _bench_rank(rank, world_size, args):
     worker = MegatronActorWorker(_config(args.tp, args.budget), rank, world_size, row_tokens=args.row_tokens)
     hf_dir = None
     if args.init_hf:
-        from megatron_arpo.testing.tiny import tiny_checkpoint
+        from megatron_arpo.tiny.checkpoint import tiny_checkpoint
 
         hf_dir = str(tiny_checkpoint("tiny-qwen3"))
     worker.init_model(hf_dir=hf_dir)
@@ -130,7 +130,7 @@ def main(argv=None) -> int:
     parser.add_argument("--init-hf", action="store_true", help="load the tiny HF checkpoint (default: random init)")
     args = parser.parse_args(argv)
 
-    from megatron_arpo.testing.dist import run_distributed
+    from megatron_arpo.cluster.local_ranks import run_distributed
 
     bench = run_distributed(_bench_rank, args.world, args, timeout=3600)[0]
     lengths = bench["lengths"]

@@ -2,7 +2,7 @@
 
 Subcommands:
 - ``slurm --config X.yaml [--nodes N --gpus-per-node G --partition P --account A --time T --container IMG]
-  [--dry-run]``: render the sbatch script from the config's ``launcher`` section (dry run: print it),
+  [--job train|sft] [--dry-run]``: render the sbatch script from the config's ``launcher`` section (dry run: print it),
   otherwise copy the config to ``<run_dir>/config.yaml``, write the script there, submit it, print the
   job id and the log paths.
 - ``local --config X.yaml [--nodes N] [--set a.b=c] [--command CMD] [--dry-run]``: start N Ray nodes on
@@ -23,6 +23,8 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+from megatron_arpo.errors import InputError
+
 logger = logging.getLogger(__name__)
 
 SLURM_FLAGS = {  # CLI flag -> launcher option
@@ -32,12 +34,11 @@ SLURM_FLAGS = {  # CLI flag -> launcher option
 
 
 def _load_yaml(path: str) -> dict[str, Any]:
-    import yaml
+    from megatron_arpo.config import ConfigError, read_yaml_file
 
-    with open(path) as fh:
-        data = yaml.safe_load(fh) or {}
+    data = read_yaml_file(path, "config file") or {}
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
+        raise ConfigError([f"{path}: expected a mapping at the top level, got {type(data).__name__}"])
     return data
 
 
@@ -49,16 +50,19 @@ def _add_slurm(sub) -> None:
         p.add_argument(flag, dest=name, type=kind, default=None)
     p.add_argument("--set", action="append", default=[], metavar="a.b=c", help="config override (repeatable)")
     p.add_argument("--dry-run", action="store_true", help="print the script; submit nothing")
-    p.add_argument("--command", default=None,
-                   help="driver command run on the head node (default: megatron-arpo train --config "
-                        "$RUN_DIR/config.yaml --resume auto)")
+    p.add_argument("--job", choices=("train", "sft"), default="train",
+                   help="what the head node runs: `megatron-arpo train` (RL, default) or `megatron-arpo sft` "
+                        "(cold-start SFT on the same actor group), each with --config $RUN_DIR/config.yaml "
+                        "--resume auto")
+    p.add_argument("--command", default=None, help="any other driver command run on the head node ($RUN_DIR "
+                                                   "expands to the run directory)")
 
 
 def _run_slurm(args) -> int:
     import shlex
 
     from launchers.options import launcher_options
-    from launchers.slurm import container_mount_paths, log_paths, render_sbatch, submit
+    from launchers.slurm import container_mount_paths, default_command, log_paths, render_sbatch, submit
 
     from megatron_arpo.config import load_config
 
@@ -66,7 +70,7 @@ def _run_slurm(args) -> int:
     overrides = {"run_dir": str(cfg.run_dir)}
     overrides.update({k: getattr(args, k) for k in SLURM_FLAGS if getattr(args, k) is not None})
     opts = launcher_options(cfg.launcher, overrides)
-    command = shlex.split(args.command) if args.command else None
+    command = shlex.split(args.command) if args.command else default_command(job=args.job)
     mounts = container_mount_paths(cfg)
     if args.dry_run:
         print(render_sbatch(opts, command=command, mounts=mounts))
@@ -199,7 +203,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     handlers = {"slurm": _run_slurm, "local": _run_local, "ray-node": _run_ray_node, "plan": _run_plan}
-    return handlers[args.cmd](args)
+    try:
+        return handlers[args.cmd](args)
+    except InputError as exc:  # a bad config or launcher option: one line, exit 2 (as `megatron-arpo` does)
+        print(f"python -m launchers {args.cmd}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 def launch_main(argv: Sequence[str]) -> int:

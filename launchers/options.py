@@ -13,6 +13,8 @@ import difflib
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from megatron_arpo.errors import InputError
+
 # Exit code of a trainer that saved a checkpoint because it was told to stop (SIGUSR1) and wants the job
 # requeued. The trainer (megatron_arpo.train) must use the same value; it is configurable here.
 PREEMPT_EXIT_CODE = 42
@@ -69,9 +71,13 @@ class LauncherOptions:
         validate_launcher_options(self)
 
 
+class LauncherError(InputError):
+    """A bad ``launcher`` setting or CLI override (the CLI exits 2)."""
+
+
 def validate_launcher_options(opts: LauncherOptions) -> None:
-    def bad(key: str, value: Any, allowed: str) -> ValueError:
-        return ValueError(f"launcher.{key}: got {value!r}; allowed: {allowed}")
+    def bad(key: str, value: Any, allowed: str) -> LauncherError:
+        return LauncherError(f"launcher.{key}: got {value!r}; allowed: {allowed}")
 
     for key in ("nodes", "gpus_per_node"):
         value = getattr(opts, key)
@@ -95,9 +101,11 @@ def validate_launcher_options(opts: LauncherOptions) -> None:
     from megatron_arpo.cluster.ports import parse_port_range
 
     for problem in resource_problems(opts):
-        raise ValueError(problem)
-
-    parse_port_range(opts.ray_port_range)
+        raise LauncherError(problem)
+    try:
+        parse_port_range(opts.ray_port_range)
+    except ValueError as exc:
+        raise LauncherError(str(exc)) from None
 
 
 def _as_mapping(cfg: Any) -> dict[str, Any]:
@@ -113,7 +121,7 @@ def _as_mapping(cfg: Any) -> dict[str, Any]:
         if "launcher" in cfg:  # a whole experiment config
             return _as_mapping(cfg["launcher"])
         return dict(cfg)
-    raise TypeError(f"launcher config must be a mapping or a dataclass, got {type(cfg).__name__}")
+    raise LauncherError(f"launcher config must be a mapping or a dataclass, got {type(cfg).__name__}")
 
 
 def launcher_options(cfg: Any = None, overrides: Mapping[str, Any] | None = None) -> LauncherOptions:
@@ -127,5 +135,5 @@ def launcher_options(cfg: Any = None, overrides: Mapping[str, Any] | None = None
         for key in unknown:
             close = difflib.get_close_matches(key, sorted(allowed), n=1)
             hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-        raise ValueError(f"launcher: unknown key(s) {', '.join(hints)}; allowed keys: {sorted(allowed)}")
+        raise LauncherError(f"launcher: unknown key(s) {', '.join(hints)}; allowed keys: {sorted(allowed)}")
     return LauncherOptions(**data)

@@ -44,8 +44,9 @@ from launchers.options import LauncherOptions, launcher_options
 logger = logging.getLogger(__name__)
 
 
-def default_command(run_dir_var: str = "$RUN_DIR") -> list[str]:
-    return ["megatron-arpo", "train", "--config", f"{run_dir_var}/config.yaml", "--resume", "auto"]
+def default_command(run_dir_var: str = "$RUN_DIR", job: str = "train") -> list[str]:
+    """``megatron-arpo train`` (or ``sft``) on the run dir's config, resuming from its newest checkpoint."""
+    return ["megatron-arpo", job, "--config", f"{run_dir_var}/config.yaml", "--resume", "auto"]
 
 
 def _quote_keep_vars(arg: str) -> str:

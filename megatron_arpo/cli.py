@@ -6,7 +6,8 @@ takes its own argv (everything after the command name) and returns an exit code;
 argparse parser with ``prog=f"megatron-arpo {name}"`` and can use ``add_config_arguments`` /
 ``config_from_args`` for the shared ``--config X --set a.b=c`` options.
 
-To add a command, append a ``Command`` to ``COMMANDS`` once its module exists. A ``ConfigError``
+To add a command, append a ``Command`` to ``COMMANDS`` once its module exists. An ``InputError``
+(``megatron_arpo.errors``: ``ConfigError``, a bad dataset or SFT row, a broken checkpoint to resume from)
 raised by any command becomes a one-line message on stderr and exit code 2, without a traceback.
 """
 
@@ -24,7 +25,8 @@ from typing import Callable, Sequence
 import yaml
 
 from megatron_arpo import __version__
-from megatron_arpo.config import ConfigError, ExperimentConfig, load_config, validate_paths
+from megatron_arpo.config import ConfigError, ExperimentConfig, load_config
+from megatron_arpo.errors import InputError
 
 PROG = "megatron-arpo"
 EXIT_CONFIG_ERROR = 2
@@ -71,7 +73,7 @@ def config_main(argv: Sequence[str]) -> int:
     check = sub.add_parser("validate", help="validate the config; exit 2 on any problem")
     add_config_arguments(check)
     check.add_argument("--paths", choices=("train", "sft", "eval"), default=None,
-                       help="also check that the files this command would read exist")
+                       help="also check the files this command would read: they exist and their rows are valid")
     sub.add_parser("reference", help="print the config reference (every key, type, default) as markdown")
     args = parser.parse_args(list(argv))
 
@@ -86,9 +88,15 @@ def config_main(argv: Sequence[str]) -> int:
         else:
             print(yaml.safe_dump(data, sort_keys=False, default_flow_style=False), end="")
         return 0
+    from megatron_arpo.preflight import check_tools, preflight
+
+    # The checks `train` runs before it starts: the tools on this machine (sandbox user, interpreter, keys,
+    # URLs) and, with --paths, the files and their rows.
     if args.paths:
-        validate_paths(cfg, for_command=args.paths)
-    print(f"{args.config}: OK" + (f" (paths checked for {args.paths})" if args.paths else ""))
+        preflight(cfg, args.paths)
+    else:
+        check_tools(cfg, with_files=False)
+    print(f"{args.config}: OK" + (f" (paths and data checked for {args.paths})" if args.paths else ""))
     return 0
 
 
@@ -149,6 +157,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(_resolve(command)(ns.args) or 0)
     except ConfigError as exc:
         print(f"{PROG}: config error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    except InputError as exc:  # a dataset row, an SFT file, a checkpoint to resume from, ...
+        print(f"{PROG} {command.name}: error: {exc}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
     except SystemExit as exc:  # a command's own argparse usage error or -h
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)

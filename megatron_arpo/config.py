@@ -30,6 +30,7 @@ import copy
 import dataclasses
 import difflib
 import logging
+import math
 import os
 import re
 import types
@@ -39,6 +40,7 @@ from typing import Any, Literal, Mapping, Optional, Sequence, Union, get_args, g
 
 import yaml
 
+from megatron_arpo.errors import InputError
 from megatron_arpo.model_config import ModelConfig, load_model_config
 from megatron_arpo.redaction import REDACTED, is_secret_key, redact  # noqa: F401  (re-exported)
 from megatron_arpo.config_schema import (  # noqa: F401  (re-exported: the public config API)
@@ -69,7 +71,7 @@ from megatron_arpo.config_schema import (  # noqa: F401  (re-exported: the publi
 logger = logging.getLogger(__name__)
 
 
-class ConfigError(ValueError):
+class ConfigError(InputError):
     """An invalid experiment config; ``errors`` lists each problem as ``key.path: message``."""
 
     def __init__(self, errors: Sequence[str] | str, source: str | None = None):
@@ -145,6 +147,8 @@ _TRUE_STRINGS = {"true", "yes", "on", "1"}
 _FALSE_STRINGS = {"false", "no", "off", "0"}
 _FLOAT_RE = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
 _INT_RE = re.compile(r"^[+-]?\d+$")
+# No integer setting means anything beyond this (bytes of memory included); `rollout.n: 1e30` is a typo.
+_INT_LIMIT = 10**15
 
 
 class _Invalid(Exception):
@@ -214,20 +218,32 @@ def _coerce(value: Any, tp: Any, path: str, errors: list[str]) -> Any:
             return bool(value)
         raise _Invalid(f"expected a boolean (true/false/yes/no/1/0), got {_describe(value)}")
     if tp is int:
+        number = None
         if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, str) and _INT_RE.match(value.strip()):
-            return int(value.strip())
-        raise _Invalid(f"expected an integer, got {_describe(value)}")
+            number = value
+        elif isinstance(value, float) and value.is_integer():
+            number = int(value)
+        elif isinstance(value, str) and _INT_RE.match(value.strip()):
+            number = int(value.strip())
+        elif isinstance(value, str) and _FLOAT_RE.match(value.strip()) and float(value).is_integer():
+            number = int(float(value))  # `1e3` written without a dot
+        if number is None:
+            raise _Invalid(f"expected an integer, got {_describe(value)}")
+        if abs(number) > _INT_LIMIT:
+            raise _Invalid(f"{value!r} is not a usable integer (more than {_INT_LIMIT:.0e}); check the value")
+        return number
     if tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            number = float(value)
         # PyYAML reads `1e-6` (no dot) as a string; accept any float literal.
-        if isinstance(value, str) and _FLOAT_RE.match(value.strip()):
-            return float(value.strip())
-        raise _Invalid(f"expected a number, got {_describe(value)}")
+        elif isinstance(value, str) and _FLOAT_RE.match(value.strip()):
+            number = float(value.strip())
+        if number is None:
+            raise _Invalid(f"expected a number, got {_describe(value)}")
+        if not math.isfinite(number):
+            raise _Invalid(f"{value!r} is not a finite number; give a real value")
+        return number
     if tp is str:
         if isinstance(value, str):
             return value
@@ -338,18 +354,57 @@ def _deep_merge(base: dict, top: Mapping) -> dict:
     return out
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping (PyYAML silently keeps the last)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            line = key_node.start_mark.line + 1
+            if isinstance(key, (str, int, float, bool)) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first on line {seen[key]}, again on line {line}); "
+                    f"keep one", key_node.start_mark)
+            if isinstance(key, (str, int, float, bool)):
+                seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def read_yaml_file(path: str | os.PathLike, what: str = "YAML file") -> Any:
+    """Parse a YAML file strictly (UTF-8, no duplicate keys); every failure is a one-line ConfigError."""
+    path = Path(path)
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        raise ConfigError([f"{what} {str(path)!r} not found"]) from None
+    except IsADirectoryError:
+        raise ConfigError([f"{what} {str(path)!r} is a directory; pass the YAML file inside it"]) from None
+    except PermissionError:
+        raise ConfigError([f"{what} {str(path)!r} is not readable (permission denied)"]) from None
+    except UnicodeDecodeError as exc:
+        line = path.read_bytes()[:exc.start].count(b"\n") + 1
+        raise ConfigError([f"not UTF-8 text: byte 0x{exc.object[exc.start]:02x} on line {line}; save the file "
+                           f"as UTF-8"], source=str(path)) from None
+    except OSError as exc:
+        raise ConfigError([f"{what} {str(path)!r} cannot be read: {exc.strerror or exc}"]) from None
+    loader = _StrictLoader(text)
+    loader.name = path.name  # error marks say `in "exp.yaml", line 3, column 5`
+    try:
+        return loader.get_single_data()
+    except yaml.YAMLError as exc:
+        kind = "YAML error" if isinstance(exc, yaml.constructor.ConstructorError) else "YAML syntax error"
+        raise ConfigError([f"{kind}: {' '.join(str(exc).split())}"], source=str(path)) from None
+    finally:
+        loader.dispose()
+
+
 def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     path = path.resolve()
     if path in seen:
         chain = " -> ".join(str(p) for p in (*seen, path))
         raise ConfigError([f"base: include cycle {chain}"], source=str(seen[0]))
-    try:
-        with open(path) as fh:
-            data = yaml.safe_load(fh)
-    except FileNotFoundError:
-        raise ConfigError([f"config file {str(path)!r} not found"]) from None
-    except yaml.YAMLError as exc:
-        raise ConfigError([f"YAML syntax error: {exc}"], source=str(path)) from exc
+    data = read_yaml_file(path, "config file")
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -532,6 +587,8 @@ def validate(cfg: ExperimentConfig) -> list[str]:
                           f"NAME (like BRIGHT_DATA_API_KEY); keys never go in the config, export them instead")
     if cfg.eval.judge.enabled and not cfg.eval.judge.url:
         errors.append("eval.judge.url: required when eval.judge.enabled is true")
+    if cfg.eval.judge.url and not cfg.eval.judge.url.startswith(("http://", "https://")):
+        errors.append(f"eval.judge.url: {cfg.eval.judge.url!r} must start with http:// or https://")
 
     # Data, trainer, launcher.
     if not (d.reward in BUILTIN_REWARDS or re.match(r"^[\w.]+:\w+$", d.reward)):
@@ -592,8 +649,11 @@ def validate_paths(cfg: ExperimentConfig, *, for_command: Literal["train", "sft"
         if value is None:
             return
         p = Path(value)
-        ok = p.is_dir() if kind == "dir" else p.exists()
-        if not ok:
+        if kind == "file" and p.is_dir():
+            errors.append(f"{key}: {value!r} is a directory; give the file")
+        elif kind == "dir" and p.is_file():
+            errors.append(f"{key}: {value!r} is a file; give the directory")
+        elif not (p.is_dir() if kind == "dir" else p.exists()):
             errors.append(f"{key}: {kind} {value!r} not found")
 
     need("model.hf_checkpoint", cfg.model.hf_checkpoint, "dir")

@@ -86,7 +86,7 @@ class RolloutSection:
     max_num_seqs: Optional[int] = _f(None, ge=1, help="vLLM max_num_seqs; null = vLLM default")
     max_num_batched_tokens: Optional[int] = _f(None, ge=1, help="vLLM max_num_batched_tokens; null = vLLM default")
     enable_prefix_caching: bool = _f(True)
-    n: int = _f(16, ge=1, help="trajectories per prompt (global budget M)")
+    n: int = _f(16, ge=1, le=4096, help="trajectories per prompt (global budget M)")
     initial_rollouts: int = _f(8, ge=1, help="fresh trajectories started per prompt; = n is plain GRPO")
     beam_size: int = _f(2, ge=1, help="a branch decision forks up to beam_size - 1 copies")
     branch_threshold: float = _f(0.5, ge=0, le=1, help="tau: branch iff clip(U - beta*dH, 0, 1) <= tau")
@@ -321,6 +321,7 @@ class SFTSection:
     min_lr: float = _f(0.0, ge=0)
     lr_schedule: Literal["constant", "cosine"] = _f("cosine")
     warmup_fraction: float = _f(0.1, ge=0, lt=1)
+    save_every: int = _f(0, ge=0, help="steps between SFT checkpoints; 0 = only at the end (and on preemption)")
     output_dir: Optional[str] = _f(None, help="null = <run_dir>/sft")
     export_hf: bool = _f(True, help="write an HF checkpoint at the end (for the RL stage)")
 

@@ -142,7 +142,7 @@ class Demo:
     # ---- stages -----------------------------------------------------------------------------------
     def stage_data(self) -> None:
         from megatron_arpo.data.demo_tasks import DEMO_SYSTEM_PROMPT, ensure_demo_tasks
-        from megatron_arpo.testing import build_tiny_checkpoint
+        from megatron_arpo.tiny.checkpoint import build_tiny_checkpoint
 
         search = self.cfg.tools.search
         if self.cfg.data.system_prompt and self.cfg.data.system_prompt != DEMO_SYSTEM_PROMPT:

@@ -7,7 +7,8 @@ live in ``megatron_arpo.trainer``; this file is the loop.
 
 Exit codes: 0 done (final policy in ``<run_dir>/hf``); ``launcher.preempt_exit_code`` (42) after SIGUSR1
 and a checkpoint (the Slurm script requeues); 143 after SIGTERM and a checkpoint; 1 when a component
-failed (one line on stderr, the traceback in ``<run_dir>/logs/train-error.log``); 2 for a config error.
+failed (one line on stderr, the traceback in ``<run_dir>/logs/train-error.log``); 2 for bad input (config,
+tools this machine cannot run, a dataset row, a checkpoint to resume from).
 """
 
 from __future__ import annotations
@@ -90,7 +91,9 @@ def train(cfg, resume: str = "auto") -> int:
 
 def train_main(argv: Sequence[str]) -> int:
     from megatron_arpo.cli import PROG, add_config_arguments, config_from_args
-    from megatron_arpo.config import ConfigError, validate_paths
+    from megatron_arpo.config import validate_paths
+    from megatron_arpo.errors import InputError
+    from megatron_arpo.preflight import check_tools
     from megatron_arpo.tracking import setup_console_logging
 
     parser = argparse.ArgumentParser(prog=f"{PROG} train", description=__doc__.split("\n\n")[0])
@@ -102,10 +105,11 @@ def train_main(argv: Sequence[str]) -> int:
     cfg = config_from_args(args)
     setup_console_logging(cfg.logging.console_level)
     validate_paths(cfg, for_command="train")
+    check_tools(cfg)  # the tools run in this process: a sandbox or key problem is an input error
     try:
         return train(cfg, args.resume or cfg.trainer.resume)
-    except ConfigError:
-        raise  # the CLI prints it and exits 2
+    except InputError:
+        raise  # a config, dataset or checkpoint problem: the CLI prints it and exits 2
     except Exception as exc:  # any component: one clear line, the traceback in a file
         log = Path(cfg.run_dir) / "logs" / "train-error.log"
         log.parent.mkdir(parents=True, exist_ok=True)

@@ -75,6 +75,30 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
 
 
 
+def check_shard_files(directory: str | os.PathLike) -> list[str]:
+    """Problems of one torch distributed-checkpoint directory (``model/`` or ``optim/``), without loading it:
+    an unreadable ``.metadata``, or a ``.distcp`` shard that is missing or shorter than the bytes the
+    metadata places in it (a copy or a save cut short). Empty when every shard is whole."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    directory = Path(directory)
+    try:
+        metadata = FileSystemReader(str(directory)).read_metadata()
+    except Exception as exc:  # torch raises pickle/EOF/OSError variants for a damaged .metadata
+        return [f"{directory / '.metadata'}: unreadable ({type(exc).__name__}: {exc})"]
+    needed: dict[str, int] = {}
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    problems = []
+    for name, size in sorted(needed.items()):
+        path = directory / name
+        if not path.is_file():
+            problems.append(f"{path}: missing (the metadata places {size} bytes in it)")
+        elif path.stat().st_size < size:
+            problems.append(f"{path}: truncated ({path.stat().st_size} bytes; the metadata needs {size})")
+    return problems
+
+
 def _write_file(path: Path, text: str) -> None:
     with open(path, "w") as fh:
         fh.write(text)

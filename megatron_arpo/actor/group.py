@@ -67,6 +67,7 @@ class ActorGroup:
         worker_cls: Optional[type] = None,
         worker_kwargs: Optional[Mapping[str, Any]] = None,
         name: Optional[str] = None,
+        optim_settings: Any = None,
     ):
         from megatron_arpo.config import actor_world_size
 
@@ -101,8 +102,11 @@ class ActorGroup:
             default_timeout=self.timeouts.update_s, **placement_kwargs)
         try:
             self._read_layout()
+            # optim_settings: the optimizer/LR schedule when it is not RL's (SFT: optimizer.settings_for_sft).
+            extra = {} if optim_settings is None else {"optim_settings": optim_settings}
             self.init_state = self.workers.call_all("init_model", hf_dir=hf_dir, load_dir=load_dir,
-                                                    total_steps=total_steps, timeout=self.timeouts.startup_s)[0]
+                                                    total_steps=total_steps, timeout=self.timeouts.startup_s,
+                                                    **extra)[0]
         except BaseException:
             self.workers.shutdown(graceful=False)
             raise

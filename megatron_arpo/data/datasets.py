@@ -9,7 +9,9 @@ JSONL rows are ``{"question": ..., "answer": ...}`` (optionally ``data_source``,
 the configured system prompt is prepended.
 
 A malformed row raises ``DatasetError`` naming the file and the 1-based row number, or, with
-``on_bad_row="skip"``, is skipped and counted in ``LoadStats``.
+``on_bad_row="skip"``, is skipped and counted in ``LoadStats``. Malformed includes a JSONL line that is not
+UTF-8 and, with ``strict_answers`` (the built-in rewards), an answer that is not a non-empty string or a
+non-empty list of strings (``[]``, ``{}``, ``42``): the rewards would only fail on it after a rollout.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
+
+from megatron_arpo.errors import InputError
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +40,7 @@ DEFAULT_SYSTEM_PROMPT = (
 )
 
 
-class DatasetError(ValueError):
+class DatasetError(InputError):
     """A dataset file or row that cannot be used; the message names the file, row and fix."""
 
 
@@ -90,7 +94,20 @@ def _as_messages(value: Any, where: str) -> list[dict[str, str]]:
     return messages
 
 
-def _parquet_row(row: dict[str, Any], where: str, index: int, stats: LoadStats) -> PromptRecord:
+def check_answer(value: Any, where: str, key: str) -> None:
+    """The built-in rewards take a non-empty string or a non-empty list of non-empty strings."""
+    if isinstance(value, str):
+        if value.strip():
+            return
+    elif isinstance(value, (list, tuple)) and value and all(isinstance(v, str) and v.strip() for v in value):
+        return
+    shown = json.dumps(value, default=str)
+    raise DatasetError(f"{where}: {key!r} is {shown[:60]} ({type(value).__name__}); the rewards need a non-empty "
+                       f"string or a non-empty list of strings (write a number as a string, e.g. \"42\")")
+
+
+def _parquet_row(row: dict[str, Any], where: str, index: int, stats: LoadStats,
+                 strict_answers: bool = True) -> PromptRecord:
     messages = _as_messages(row.get("prompt"), where)
     for msg in messages:
         msg["content"], fixed = repair_boxed(msg["content"])
@@ -103,6 +120,8 @@ def _parquet_row(row: dict[str, Any], where: str, index: int, stats: LoadStats) 
         truth = truth.tolist()
     if truth is None or (isinstance(truth, str) and not truth.strip()):
         raise DatasetError(f"{where}: reward_model.ground_truth is empty")
+    if strict_answers:
+        check_answer(truth, where, "reward_model.ground_truth")
     data_source = row.get("data_source")
     if not isinstance(data_source, str) or not data_source:
         raise DatasetError(f"{where}: 'data_source' must be a non-empty string")
@@ -114,14 +133,17 @@ def _parquet_row(row: dict[str, Any], where: str, index: int, stats: LoadStats) 
                         data_source=data_source, ability=row.get("ability"), extra_info=dict(extra))
 
 
-def _jsonl_row(row: Any, where: str, index: int, system_prompt: str | None, default_source: str) -> PromptRecord:
+def _jsonl_row(row: Any, where: str, index: int, system_prompt: str | None, default_source: str,
+               strict_answers: bool = True) -> PromptRecord:
     if not isinstance(row, dict):
         raise DatasetError(f"{where}: expected a JSON object, got {type(row).__name__}")
     question = row.get("question")
     if not isinstance(question, str) or not question.strip():
         raise DatasetError(f"{where}: 'question' must be a non-empty string")
-    if "answer" not in row or row["answer"] in (None, ""):
+    if "answer" not in row or row["answer"] is None or row["answer"] == "":
         raise DatasetError(f"{where}: 'answer' is missing or empty")
+    if strict_answers:
+        check_answer(row["answer"], where, "answer")
     messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
         {"role": "user", "content": question}
     ]
@@ -155,8 +177,13 @@ def _iter_rows(path: Path, fmt: str) -> Iterable[tuple[int, Any, str | None]]:
         for i, row in enumerate(table.to_pylist(), start=1):
             yield i, row, None
         return
-    with open(path, encoding="utf-8") as fh:
-        for i, line in enumerate(fh, start=1):
+    with open(path, "rb") as fh:  # decoded per line, so one bad line names its row and can be skipped
+        for i, raw in enumerate(fh, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                yield i, None, f"not UTF-8 text (byte 0x{raw[exc.start]:02x} at column {exc.start + 1})"
+                continue
             if not line.strip():
                 continue
             try:
@@ -170,13 +197,16 @@ def load_prompts(
     fmt: str = "auto",
     on_bad_row: str = "error",
     system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
+    strict_answers: bool = True,
 ) -> tuple[list[PromptRecord], LoadStats]:
-    """Load one dataset file into PromptRecords."""
+    """Load one dataset file into PromptRecords (``strict_answers``: see the module docstring)."""
     if on_bad_row not in ("error", "skip"):
         raise DatasetError(f"on_bad_row {on_bad_row!r} is not supported; use error or skip")
     path = Path(path)
     if not path.exists():
         raise DatasetError(f"dataset file {path} does not exist; check data.train_files / data.val_files")
+    if path.is_dir():
+        raise DatasetError(f"dataset file {path} is a directory; list the parquet/JSONL files inside it")
     fmt = _detect_format(path, fmt)
     stats = LoadStats(path=str(path))
     records: list[PromptRecord] = []
@@ -187,9 +217,10 @@ def load_prompts(
             if parse_error:
                 raise DatasetError(f"{where}: {parse_error}")
             if fmt == "parquet":
-                record = _parquet_row(row, where, number - 1, stats)
+                record = _parquet_row(row, where, number - 1, stats, strict_answers)
             else:
-                record = _jsonl_row(row, where, number - 1, system_prompt, default_source=path.stem)
+                record = _jsonl_row(row, where, number - 1, system_prompt, default_source=path.stem,
+                                    strict_answers=strict_answers)
         except DatasetError as exc:
             if on_bad_row == "error":
                 raise DatasetError(f"{exc}. Fix the row, or set data.on_bad_row: skip to skip bad rows") from None

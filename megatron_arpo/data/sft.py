@@ -25,7 +25,8 @@ with the whitespace right before it, the same text the rollout injects (``" <res
 on its own (``add_special_tokens=False``), as the rollout tokenizes tool results on their own.
 
 Conversations longer than ``max_tokens`` are truncated (counted); ones left with no trained token are
-dropped (counted).
+dropped (counted). A malformed row (bad JSON, not UTF-8, wrong shape) raises ``SFTDataError`` naming the
+file and line, or is skipped and counted with ``data.on_bad_row: skip``.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from megatron_arpo.errors import InputError
+
 logger = logging.getLogger(__name__)
 
 ROLE_ALIASES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
@@ -46,7 +49,7 @@ RESULT_SPAN = re.compile(r"\s*<result>.*?</result>", re.DOTALL)
 UNCLOSED_RESULT = re.compile(r"\s*<result>", re.DOTALL)
 
 
-class SFTDataError(ValueError):
+class SFTDataError(InputError):
     """A malformed SFT row; the message names the file, row and problem."""
 
 
@@ -64,7 +67,9 @@ class SFTLoadStats:
     truncated: int = 0
     dropped_no_target: int = 0
     result_spans: int = 0
+    skipped_bad: int = 0
     files: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
 
 
 def normalize_conversation(row: Any, where: str) -> list[dict[str, str]]:
@@ -149,20 +154,31 @@ def tokenize_conversation(tokenizer: Any, messages: Sequence[dict[str, str]], ma
 
 
 def _iter_rows(path: Path) -> Iterable[tuple[str, Any]]:
+    """``(where, row)``; a row that cannot be parsed comes as ``(where, SFTDataError)``."""
     if path.suffix == ".jsonl":
-        with open(path, encoding="utf-8") as fh:
-            for line_no, line in enumerate(fh, start=1):
+        with open(path, "rb") as fh:  # decoded per line: a bad line names its row and can be skipped
+            for line_no, raw in enumerate(fh, start=1):
+                where = f"{path}:{line_no}"
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    yield where, SFTDataError(f"{where}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at column "
+                                              f"{exc.start + 1})")
+                    continue
                 if not line.strip():
                     continue
                 try:
-                    yield f"{path}:{line_no}", json.loads(line)
+                    yield where, json.loads(line)
                 except json.JSONDecodeError as exc:
-                    raise SFTDataError(f"{path}:{line_no}: invalid JSON ({exc.msg})") from exc
+                    yield where, SFTDataError(f"{where}: invalid JSON ({exc.msg})")
     elif path.suffix == ".json":
         try:
-            rows = json.loads(path.read_text(encoding="utf-8"))
+            rows = json.loads(path.read_bytes().decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            raise SFTDataError(f"{path}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); "
+                               f"save it as UTF-8") from None
         except json.JSONDecodeError as exc:
-            raise SFTDataError(f"{path}: invalid JSON ({exc.msg} at line {exc.lineno})") from exc
+            raise SFTDataError(f"{path}: invalid JSON ({exc.msg} at line {exc.lineno})") from None
         if not isinstance(rows, list):
             raise SFTDataError(f"{path}: a .json SFT file must hold a list of conversations")
         for i, row in enumerate(rows, start=1):
@@ -171,28 +187,49 @@ def _iter_rows(path: Path) -> Iterable[tuple[str, Any]]:
         raise SFTDataError(f"{path}: SFT files must end in .json (a list) or .jsonl (one conversation per line)")
 
 
-def load_sft_examples(paths: Sequence[str | os.PathLike], tokenizer: Any,
-                      max_tokens: int) -> tuple[list[SFTExample], SFTLoadStats]:
-    """Tokenized examples of every file, in order, and what was truncated or dropped."""
-    stats = SFTLoadStats()
-    examples: list[SFTExample] = []
+def iter_conversations(paths: Sequence[str | os.PathLike], on_bad_row: str = "error",
+                       stats: SFTLoadStats | None = None) -> Iterable[list[dict[str, str]]]:
+    """Normalized conversations of every file, in order; bad rows raise, or are counted in ``stats``
+    and skipped with ``on_bad_row="skip"`` (``data.on_bad_row``)."""
+    stats = stats if stats is not None else SFTLoadStats()
     for path in paths:
         path = Path(path)
-        if not path.exists():
-            raise FileNotFoundError(f"SFT file {path} not found; check sft.train_files")
+        if not path.is_file():
+            raise SFTDataError(f"SFT file {path} {'is a directory' if path.is_dir() else 'not found'}; check "
+                               f"sft.train_files")
         stats.files.append(str(path))
         for where, row in _iter_rows(path):
             stats.rows += 1
-            messages = normalize_conversation(row, where)
-            stats.result_spans += sum(len(RESULT_SPAN.findall(m["content"])) for m in messages
-                                      if m["role"] == "assistant")
-            example = tokenize_conversation(tokenizer, messages, max_tokens)
-            if not any(example.loss_mask[1:]):
-                stats.dropped_no_target += 1
+            try:
+                if isinstance(row, SFTDataError):
+                    raise row
+                messages = normalize_conversation(row, where)
+            except SFTDataError as exc:
+                if on_bad_row != "skip":
+                    raise SFTDataError(f"{exc}. Fix the row, or set data.on_bad_row: skip to skip bad rows") from None
+                stats.skipped_bad += 1
+                stats.errors.append(str(exc))
                 continue
-            stats.truncated += int(example.truncated)
-            examples.append(example)
+            yield messages
+
+
+def load_sft_examples(paths: Sequence[str | os.PathLike], tokenizer: Any, max_tokens: int,
+                      on_bad_row: str = "error") -> tuple[list[SFTExample], SFTLoadStats]:
+    """Tokenized examples of every file, in order, and what was truncated, dropped or skipped."""
+    stats = SFTLoadStats()
+    examples: list[SFTExample] = []
+    for messages in iter_conversations(paths, on_bad_row, stats):
+        stats.result_spans += sum(len(RESULT_SPAN.findall(m["content"])) for m in messages if m["role"] == "assistant")
+        example = tokenize_conversation(tokenizer, messages, max_tokens)
+        if not any(example.loss_mask[1:]):
+            stats.dropped_no_target += 1
+            continue
+        stats.truncated += int(example.truncated)
+        examples.append(example)
     stats.kept = len(examples)
+    if stats.skipped_bad:
+        logger.warning("skipped %d malformed SFT row(s) of %d (data.on_bad_row: skip); first: %s", stats.skipped_bad,
+                       stats.rows, stats.errors[0])
     if stats.truncated:
         logger.warning("%d of %d SFT conversations truncated to sft.max_seq_tokens=%d", stats.truncated,
                        stats.rows, max_tokens)

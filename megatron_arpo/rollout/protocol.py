@@ -73,7 +73,7 @@ class TagProtocol:
             raise ValueError(
                 f"tool tag {text!r} encodes to {len(ids)} tokens {ids}; the rollout stops on tool tags by "
                 "token id, so every <tag>/</tag> must be a single token: add them to the tokenizer as "
-                "added tokens (megatron_arpo.testing.tokenizer does)")
+                "added tokens (megatron_arpo.tiny.tokenizer does)")
         return int(ids[0])
 
     @property

@@ -1,8 +1,11 @@
-"""Test and demo helpers: tiny locally built checkpoints and multi-process runners.
+"""Test helpers: tiny locally built checkpoints and multi-process runners, under the names tests use.
 
 - ``build_tiny_checkpoint(model_config, out_dir, seed=0)`` / ``tiny_checkpoint(name, seed=0)``: deterministic
-  tiny Qwen3/Qwen2 HF checkpoints with a locally trained tokenizer (see ``megatron_arpo.testing.tiny``).
-- ``megatron_arpo.testing.dist``: gloo multi-process runner.
+  tiny Qwen3/Qwen2 HF checkpoints with a locally trained tokenizer (``megatron_arpo.tiny``).
+- ``megatron_arpo.testing.dist``: the gloo multi-process runner (``megatron_arpo.cluster.local_ranks``).
+
+The implementations are production modules (the demo and ``python -m conversion verify`` use them);
+production code never imports this package.
 
 Importing this package is cheap: the wrappers below import torch, safetensors and tokenizers on first call.
 """
@@ -11,14 +14,14 @@ from __future__ import annotations
 
 
 def build_tiny_checkpoint(model_config, out_dir, seed: int = 0, overwrite: bool = False):
-    """See :func:`megatron_arpo.testing.tiny.build_tiny_checkpoint`."""
-    from megatron_arpo.testing.tiny import build_tiny_checkpoint as build
+    """See :func:`megatron_arpo.tiny.checkpoint.build_tiny_checkpoint`."""
+    from megatron_arpo.tiny.checkpoint import build_tiny_checkpoint as build
 
     return build(model_config, out_dir, seed=seed, overwrite=overwrite)
 
 
 def tiny_checkpoint(name, seed: int = 0, root=None):
-    """See :func:`megatron_arpo.testing.tiny.tiny_checkpoint`."""
-    from megatron_arpo.testing.tiny import tiny_checkpoint as cached
+    """See :func:`megatron_arpo.tiny.checkpoint.tiny_checkpoint`."""
+    from megatron_arpo.tiny.checkpoint import tiny_checkpoint as cached
 
     return cached(name, seed=seed, root=root)

@@ -28,13 +28,15 @@ import logging
 from pathlib import Path
 from typing import Any, Optional
 
+from megatron_arpo.errors import InputError
+
 logger = logging.getLogger(__name__)
 
 TOOL_CACHE_SNAPSHOT = "tool_cache.sqlite"
 
 
-class ResumeError(RuntimeError):
-    pass
+class ResumeError(InputError):
+    """A checkpoint to resume from is missing, incomplete or damaged (the CLI exits 2)."""
 
 
 def resolve_resume(checkpoint_root: Path, resume: str) -> Optional[Path]:
@@ -43,7 +45,7 @@ def resolve_resume(checkpoint_root: Path, resume: str) -> Optional[Path]:
     resume = (resume or "auto").strip()
     found = latest_checkpoint(checkpoint_root)
     if resume == "auto":
-        return found
+        return check_resume_files(found) if found is not None else None
     if resume == "none":
         if found is not None:
             raise ResumeError(f"--resume none, but {checkpoint_root} already holds checkpoint {found.name}; pass "
@@ -53,7 +55,22 @@ def resolve_resume(checkpoint_root: Path, resume: str) -> Optional[Path]:
     if path is None:
         raise ResumeError(f"--resume {resume}: no complete checkpoint there (expected a step-N directory with a "
                           f"COMPLETE file, or a directory of them); use --resume auto or none")
-    return path.resolve()
+    return check_resume_files(path.resolve())
+
+
+def check_resume_files(path: Path) -> Path:
+    """Refuse a checkpoint whose shards are damaged before any rank tries to load it (a truncated
+    ``.distcp`` would otherwise fail deep inside every rank, after the cluster started)."""
+    from megatron_arpo.actor.checkpoint import check_shard_files
+
+    problems = [p for sub in ("model", "optim") if (path / sub).is_dir() for p in check_shard_files(path / sub)]
+    if not (path / "model").is_dir():
+        problems.append(f"{path / 'model'}: missing")
+    if problems:
+        raise ResumeError(f"checkpoint {path} is damaged: {'; '.join(problems[:3])}"
+                          f"{f' (+{len(problems) - 3} more)' if len(problems) > 3 else ''}. Resume from an earlier "
+                          f"checkpoint (--resume {path.parent}/step-N), or move this one away and use --resume auto")
+    return path
 
 
 def is_due(step: int, every: int, total: int) -> bool:

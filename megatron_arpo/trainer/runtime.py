@@ -60,8 +60,11 @@ class PromptSet:
 def load_prompt_set(files: list[str], data: Any, tokenizer: Any) -> PromptSet:
     from megatron_arpo.data.datasets import DEFAULT_SYSTEM_PROMPT, filter_by_length, load_prompt_files, render_prompt
 
+    from megatron_arpo.config import BUILTIN_REWARDS
+
     records, stats = load_prompt_files(files, fmt=data.format, on_bad_row=data.on_bad_row,
-                                       system_prompt=data.system_prompt or DEFAULT_SYSTEM_PROMPT)
+                                       system_prompt=data.system_prompt or DEFAULT_SYSTEM_PROMPT,
+                                       strict_answers=data.reward in BUILTIN_REWARDS)
     token_ids = [render_prompt(tokenizer, r) for r in records]
     keep, dropped = filter_by_length(records, token_ids, data.max_prompt_tokens)
     for s in stats:
@@ -75,8 +78,10 @@ def count_steps(cfg: Any, num_prompts: int) -> int:
         return t.total_steps
     per_epoch = num_prompts // t.train_batch_size if cfg.data.drop_last else math.ceil(num_prompts / t.train_batch_size)
     if per_epoch < 1:
-        raise ValueError(f"trainer.train_batch_size {t.train_batch_size} exceeds the {num_prompts} training prompts "
-                         f"with data.drop_last; lower it, add data, or set trainer.total_steps")
+        from megatron_arpo.config import ConfigError
+
+        raise ConfigError([f"trainer.train_batch_size: {t.train_batch_size} exceeds the {num_prompts} training "
+                           f"prompts with data.drop_last; lower it, add data, or set trainer.total_steps"])
     return per_epoch * t.total_epochs
 
 

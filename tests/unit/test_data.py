@@ -74,9 +74,13 @@ def test_jsonl_rows_and_bad_lines(tmp_path):
     with pytest.raises(DatasetError, match=r"qa\.jsonl row 2: invalid JSON"):
         load_prompts(path)
     records, stats = load_prompts(path, on_bad_row="skip", system_prompt="SYS")
-    assert stats.skipped_bad == 2 and [r.ground_truth for r in records] == ["Paris", 2]
+    # A number is no answer the built-in rewards can score: skipped (or refused) at load, not after a rollout.
+    assert stats.skipped_bad == 3 and [r.ground_truth for r in records] == ["Paris"]
+    assert "'answer' is 2 (int)" in stats.errors[2]
     assert records[0].messages[0] == {"role": "system", "content": "SYS"}
     assert records[0].data_source == "qa"
+    records, stats = load_prompts(path, on_bad_row="skip", strict_answers=False)  # a custom reward's choice
+    assert stats.skipped_bad == 2 and [r.ground_truth for r in records] == ["Paris", 2]
 
 
 def test_missing_file_and_duplicate_ids(tmp_path):

@@ -107,14 +107,18 @@ def test_log_paths_name_every_node():
                                      "runs/x/logs/j-17-node1.out"]
 
 
-def test_cli_dry_run_prints_the_script_for_a_config(tmp_path):
+def _cli_dry_run(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    """`python -m launchers slurm --dry-run` of a small 2-node CPU config."""
     cfg = tmp_path / "exp.yaml"
     cfg.write_text("name: exp\nmodel: {config: tiny-qwen3}\nrollout: {response_length: 256}\n"
                    "tools: {search: {enabled: false}}\nlauncher: {nodes: 2, gpus_per_node: 0}\n")
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    result = subprocess.run([sys.executable, "-m", "launchers", "slurm", "--config", str(cfg), "--nodes", "3",
-                             "--partition", "dev", "--dry-run"], capture_output=True, text=True, env=env,
-                            cwd=tmp_path)
+    return subprocess.run([sys.executable, "-m", "launchers", "slurm", "--config", str(cfg), *args, "--dry-run"],
+                          capture_output=True, text=True, env=env, cwd=tmp_path)
+
+
+def test_cli_dry_run_prints_the_script_for_a_config(tmp_path):
+    result = _cli_dry_run(tmp_path, "--nodes", "3", "--partition", "dev")
     assert result.returncode == 0, result.stderr
     assert "#SBATCH --nodes=3" in result.stdout and "#SBATCH --partition=dev" in result.stdout
     assert 'RUN_DIR="$SUBMIT_DIR"/runs/exp' in result.stdout
@@ -161,3 +165,10 @@ def test_the_32b_recipe_asks_for_whole_nodes_and_gets_per_job_ports_and_shared_l
             | {p for key, p in b.items() if key in ("gcs_port", "client_server_port")} for b in blocks]
     assert all(not (a & b) for i, a in enumerate(used) for b in used[i + 1:])
     assert all(20000 <= min(u) and max(u) <= 32000 for u in used)
+
+
+def test_launch_slurm_submits_sft_on_the_same_script(tmp_path):
+    result = _cli_dry_run(tmp_path, "--job", "sft")
+    assert result.returncode == 0, result.stderr
+    assert '-- megatron-arpo sft --config "$RUN_DIR/config.yaml" --resume auto &' in result.stdout
+    assert "#SBATCH --nodes=2" in result.stdout and "#SBATCH --exclusive" in result.stdout

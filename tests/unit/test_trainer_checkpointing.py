@@ -15,8 +15,13 @@ from megatron_arpo.trainer.checkpointing import ResumeError, is_due, resolve_res
 
 
 def make_ckpt(root: Path, step: int, complete: bool = True) -> Path:
+    """A step-N directory whose model/ is a real (tiny) torch distributed checkpoint."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
     path = root / f"step-{step}"
     path.mkdir(parents=True)
+    dcp.save({"w": torch.arange(64, dtype=torch.float32), "b": torch.ones(8)}, checkpoint_id=str(path / "model"))
     if complete:
         (path / "COMPLETE").write_text(f"{step}\n")
     return path
@@ -47,6 +52,25 @@ def test_resume_path(tmp_path):
     make_ckpt(root, 5, complete=False)
     with pytest.raises(ResumeError, match="no complete checkpoint"):
         resolve_resume(tmp_path / "elsewhere", str(root / "step-5"))
+
+
+def test_resume_refuses_a_damaged_checkpoint_before_any_rank_loads_it(tmp_path):
+    root = tmp_path / "checkpoints"
+    path = make_ckpt(root, 6)
+    shard = next((path / "model").glob("*.distcp"))
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])  # a copy cut short
+    with pytest.raises(ResumeError) as info:
+        resolve_resume(root, "auto")
+    message = str(info.value)
+    assert f"{shard}: truncated ({len(data) // 2} bytes; the metadata needs" in message
+    assert "Resume from an earlier checkpoint" in message and isinstance(info.value, ValueError)
+    shard.unlink()
+    with pytest.raises(ResumeError, match=f"{shard}: missing"):
+        resolve_resume(root, str(path))
+    (path / "model" / ".metadata").write_bytes(b"\x80not a pickle")
+    with pytest.raises(ResumeError, match=r"\.metadata: unreadable"):
+        resolve_resume(root, str(path))
 
 
 @pytest.mark.parametrize("step,every,total,due", [(5, 5, 20, True), (4, 5, 20, False), (20, 5, 20, True),

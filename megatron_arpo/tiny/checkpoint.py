@@ -1,0 +1,201 @@
+"""Deterministic tiny Hugging Face checkpoints (Qwen3 / Qwen2) for tests and the demo.
+
+No hub downloads are possible here, so every test and the demo builds its model locally:
+``build_tiny_checkpoint("tiny-qwen3", out_dir, seed=0)`` writes a directory that
+``transformers.AutoModelForCausalLM.from_pretrained``, ``AutoTokenizer.from_pretrained`` and vLLM load:
+
+- ``config.json`` from :func:`megatron_arpo.model_config.hf_config_dict` (so the config and the converters
+  agree), with the tokenizer's bos/eos/pad ids;
+- ``generation_config.json`` with bos/pad ``<|endoftext|>`` and eos ``[<|im_end|>, <|endoftext|>]`` as in
+  Qwen3's release (no sampling defaults: vLLM would adopt them as its default sampling parameters);
+- ``model.safetensors``: weights drawn from one ``torch.Generator`` seeded with ``seed``, in the fixed order
+  of :func:`weight_specs` — linear/embedding weights ~ N(0, 0.02), RMSNorm and q/k-norm weights 1.0, Qwen2's
+  q/k/v biases ~ N(0, 0.02) (not zero, so the bias path is exercised). Tied models have no
+  ``lm_head.weight`` tensor, as in HF's tied releases;
+- the tokenizer files from :mod:`megatron_arpo.tiny.tokenizer` (vocabulary size = ``vocab_size``).
+
+The same seed gives byte-identical files: JSON is written with sorted keys and no versions or timestamps,
+safetensors orders its header deterministically and carries only ``{"format": "pt"}`` as metadata. The
+directory appears atomically (built in a temporary sibling, then renamed).
+
+:func:`tiny_checkpoint` caches builds under ``$MEGATRON_ARPO_CACHE/tiny`` (default ``<repo>/.cache/tiny``),
+keyed by config name, seed and a hash of everything that determines the bytes (the model config, the
+source of this module, of the tokenizer module and of ``model_config.py``, and the torch/tokenizers/
+safetensors versions). Stale entries are never deleted automatically; ``rm -rf .cache/tiny`` is safe.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+from megatron_arpo.fsutil import fsync_path
+from megatron_arpo.model_config import ModelConfig, hf_config_dict, load_model_config
+from megatron_arpo.tiny.tokenizer import build_tokenizer, dump_json, write_bytes_atomic
+
+logger = logging.getLogger(__name__)
+
+INIT_STD = 0.02
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+# Per-layer tensors: (HF name suffix, shape as a function of the config, init). "bias" tensors exist only
+# when the config has attention_bias, "qk_norm" ones only with qk_layernorm.
+_LAYER_SPECS = (
+    ("input_layernorm.weight", lambda c: (c.hidden_size,), "ones"),
+    ("self_attn.q_proj.weight", lambda c: (c.num_attention_heads * c.head_dim, c.hidden_size), "normal"),
+    ("self_attn.q_proj.bias", lambda c: (c.num_attention_heads * c.head_dim,), "bias"),
+    ("self_attn.k_proj.weight", lambda c: (c.num_key_value_heads * c.head_dim, c.hidden_size), "normal"),
+    ("self_attn.k_proj.bias", lambda c: (c.num_key_value_heads * c.head_dim,), "bias"),
+    ("self_attn.v_proj.weight", lambda c: (c.num_key_value_heads * c.head_dim, c.hidden_size), "normal"),
+    ("self_attn.v_proj.bias", lambda c: (c.num_key_value_heads * c.head_dim,), "bias"),
+    ("self_attn.o_proj.weight", lambda c: (c.hidden_size, c.num_attention_heads * c.head_dim), "normal"),
+    ("self_attn.q_norm.weight", lambda c: (c.head_dim,), "qk_norm"),
+    ("self_attn.k_norm.weight", lambda c: (c.head_dim,), "qk_norm"),
+    ("post_attention_layernorm.weight", lambda c: (c.hidden_size,), "ones"),
+    ("mlp.gate_proj.weight", lambda c: (c.intermediate_size, c.hidden_size), "normal"),
+    ("mlp.up_proj.weight", lambda c: (c.intermediate_size, c.hidden_size), "normal"),
+    ("mlp.down_proj.weight", lambda c: (c.hidden_size, c.intermediate_size), "normal"),
+)
+
+
+def weight_specs(cfg: ModelConfig) -> Iterator[tuple[str, tuple[int, ...], str]]:
+    """Every HF tensor of the model as ``(name, shape, init)``, in generation order."""
+    yield "model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size), "normal"
+    for layer in range(cfg.num_hidden_layers):
+        for suffix, shape, init in _LAYER_SPECS:
+            if init == "bias" and not cfg.attention_bias:
+                continue
+            if init == "qk_norm" and not cfg.qk_layernorm:
+                continue
+            yield f"model.layers.{layer}.{suffix}", shape(cfg), init
+    yield "model.norm.weight", (cfg.hidden_size,), "ones"
+    if not cfg.tie_word_embeddings:
+        yield "lm_head.weight", (cfg.vocab_size, cfg.hidden_size), "normal"
+
+
+def build_weights(cfg: ModelConfig, seed: int) -> dict:
+    import torch
+
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(cfg.torch_dtype)
+    if dtype is None:
+        raise ValueError(f"model config {cfg.name!r}: torch_dtype {cfg.torch_dtype!r} is not supported for tiny "
+                         f"checkpoints; use one of float32, bfloat16, float16")
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    tensors = {}
+    for name, shape, init in weight_specs(cfg):
+        if init in ("ones", "qk_norm"):
+            value = torch.ones(shape, dtype=torch.float32)
+        else:  # normal weights and biases: drawn in fp32, then cast, so the values do not depend on dtype
+            value = torch.randn(shape, generator=generator, dtype=torch.float32) * INIT_STD
+        tensors[name] = value.to(dtype).contiguous()
+    return tensors
+
+
+def _resolve(model_config: ModelConfig | str | os.PathLike) -> ModelConfig:
+    return model_config if isinstance(model_config, ModelConfig) else load_model_config(model_config)
+
+
+
+
+
+def _write_checkpoint_files(cfg: ModelConfig, out: Path, seed: int) -> None:
+    from safetensors.torch import save as save_safetensors
+
+    token_ids = build_tokenizer(cfg.vocab_size, out)
+    hf_cfg = hf_config_dict(dataclasses.replace(cfg, bos_token_id=token_ids["bos_token_id"],
+                                                eos_token_id=token_ids["eos_token_id"]))
+    hf_cfg["pad_token_id"] = token_ids["pad_token_id"]
+    write_bytes_atomic(out / "config.json", dump_json(hf_cfg))
+    generation = {"bos_token_id": token_ids["bos_token_id"], "pad_token_id": token_ids["pad_token_id"],
+                  "eos_token_id": [token_ids["eos_token_id"], token_ids["pad_token_id"]]}
+    write_bytes_atomic(out / "generation_config.json", dump_json(generation))
+    weights = build_weights(cfg, seed)
+    write_bytes_atomic(out / "model.safetensors", save_safetensors(weights, metadata={"format": "pt"}))
+
+
+def build_tiny_checkpoint(model_config: ModelConfig | str | os.PathLike, out_dir: str | os.PathLike,
+                          seed: int = 0, overwrite: bool = False) -> Path:
+    """Write a tiny HF checkpoint (weights, configs, tokenizer) for ``model_config`` to ``out_dir``.
+
+    ``model_config`` is a :class:`ModelConfig` or a name/path for ``load_model_config`` ("tiny-qwen3").
+    An existing non-empty ``out_dir`` is an error unless ``overwrite=True``. Returns ``out_dir`` as a Path.
+    """
+    cfg = _resolve(model_config)
+    out = Path(out_dir).absolute()
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"{out} exists and is not a directory; pass a directory path for the checkpoint")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(f"{out} already exists and is not empty; pass overwrite=True to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        tmp.chmod(0o755)
+        _write_checkpoint_files(cfg, tmp, seed)
+        fsync_path(tmp)
+        if out.is_dir() and any(out.iterdir()):  # overwrite=True (checked above)
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            os.replace(out, old / "ckpt")
+            os.rename(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            try:
+                os.rename(tmp, out)  # also replaces an empty directory
+            except OSError as exc:
+                raise FileExistsError(f"{out} appeared while building (another process?); not replacing it") \
+                    from exc
+        fsync_path(out.parent)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    logger.info("built tiny checkpoint %s (seed %d) at %s", cfg.name, seed, out)
+    return out
+
+
+def default_cache_root() -> Path:
+    env = os.environ.get("MEGATRON_ARPO_CACHE")
+    return Path(env) / "tiny" if env else REPO_ROOT / ".cache" / "tiny"
+
+
+def checkpoint_fingerprint(cfg: ModelConfig, seed: int) -> str:
+    """Hash of everything that determines the bytes of ``build_tiny_checkpoint(cfg, seed=seed)``."""
+    import safetensors
+    import tokenizers
+    import torch
+
+    from megatron_arpo import model_config as model_config_module
+    from megatron_arpo.tiny import tokenizer as tokenizer_module
+
+    digest = hashlib.sha256()
+    digest.update(json.dumps({"config": cfg.to_dict(), "seed": seed, "torch": torch.__version__,
+                              "tokenizers": tokenizers.__version__, "safetensors": safetensors.__version__},
+                             sort_keys=True, default=str).encode())
+    for module_file in (__file__, tokenizer_module.__file__, model_config_module.__file__):
+        digest.update(Path(module_file).read_bytes())
+    return digest.hexdigest()
+
+
+def tiny_checkpoint(name: ModelConfig | str | os.PathLike, seed: int = 0,
+                    root: str | os.PathLike | None = None) -> Path:
+    """A cached ``build_tiny_checkpoint`` result: built once per (config name, seed, code version).
+
+    Safe under concurrent callers: the directory appears atomically, and a loser of a build race uses the
+    winner's (identical) build.
+    """
+    cfg = _resolve(name)
+    cache_root = Path(root) if root is not None else default_cache_root()
+    path = cache_root / f"{cfg.name}-seed{seed}-{checkpoint_fingerprint(cfg, seed)[:16]}"
+    if path.is_dir() and any(path.iterdir()):
+        return path
+    try:
+        return build_tiny_checkpoint(cfg, path, seed=seed)
+    except FileExistsError:
+        if path.is_dir() and any(path.iterdir()):
+            return path
+        raise
