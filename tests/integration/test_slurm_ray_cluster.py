@@ -133,3 +133,63 @@ def test_node_that_never_joins_fails_within_timeout_naming_it(slurm_cluster, ray
     assert "1/2 nodes" in head_log, logs
     assert "node 1 (node-manager port" in head_log
     assert f"ma-bad-{job_id}-node1.out" in head_log  # names the log to check
+
+
+SHARED_DRIVER = r'''
+import json, os, sys, time
+import ray
+
+report, mine, other = sys.argv[1], sys.argv[2], sys.argv[3]
+ray.init()
+nodes = [n for n in ray.nodes() if n["Alive"]]
+open(mine, "w").close()
+deadline = time.monotonic() + 90
+while not os.path.exists(other):  # both drivers run at the same time, or this job fails
+    if time.monotonic() > deadline:
+        sys.exit(5)
+    time.sleep(0.2)
+with open(report, "w") as fh:
+    json.dump({"nodes": [{"NodeManagerPort": n["NodeManagerPort"], "ObjectManagerPort": n["ObjectManagerPort"],
+                          "CPU": n["Resources"].get("CPU"), "Labels": n.get("Labels", {})} for n in nodes],
+               "gcs": os.environ["RAY_ADDRESS"]}, fh)
+'''
+
+
+def test_two_jobs_on_the_same_hosts_get_their_own_ports_and_the_cpus_they_asked_for(slurm_cluster, tmp_path):
+    """Two 2-node jobs packed onto the same two slurmd "nodes" (one host) at the same time: default per-job
+    ports, no collision; each raylet advertises the 1 CPU its job holds (not the host's 2); Ray's session
+    logs end up in each run dir."""
+    driver = tmp_path / "driver.py"
+    driver.write_text(SHARED_DRIVER)
+    jobs = {}
+    for name, other in (("ma-share-a", "ma-share-b"), ("ma-share-b", "ma-share-a")):
+        opts = {"nodes": 2, "gpus_per_node": 0, "time": "00:05:00", "run_dir": str(tmp_path / name),
+                "python": sys.executable, "network_interface": "lo", "object_store_memory": 80 * 1024 * 1024,
+                "ready_timeout": 90, "requeue": False, "signal_lead_seconds": 0, "job_name": name,
+                "exclusive": False, "cpus_per_task": 1, "memory_per_node": "400M", "ray_ports_per_node": 40}
+        command = [sys.executable, str(driver), str(tmp_path / f"{name}.json"), str(tmp_path / f"started-{name}"),
+                   str(tmp_path / f"started-{other}")]
+        script = render_sbatch(opts, command=command)
+        assert "#SBATCH --exclusive" not in script and "#SBATCH --cpus-per-task=1" in script
+        jobs[name] = (opts, submit(script, opts["run_dir"], name, env=job_env()))
+    reports, blocks = {}, []
+    for name, (opts, job_id) in jobs.items():
+        info = slurm_cluster.wait_job(job_id, timeout=170)
+        logs = _logs(opts, job_id)
+        assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", logs
+        reports[name] = json.loads((tmp_path / f"{name}.json").read_text())
+        handshake = Path(opts["run_dir"]) / "ray" / f"{job_id}.0"
+        for k in (0, 1):
+            node = json.loads((handshake / f"node-{k}.json").read_text())
+            assert node["num_cpus"] == 1, node  # SLURM_CPUS_ON_NODE, not the host's CPUs
+            assert 20000 <= node["node_manager_port"] and node["max_worker_port"] <= 32000  # the default range
+            block = set(range(node["node_manager_port"], node["max_worker_port"] + 1))
+            block |= {node[key] for key in ("gcs_port", "client_server_port") if key in node}
+            blocks.append(block)
+            # Ray's own session logs of every node are in the run dir, not only in node-local /tmp.
+            copied = Path(opts["run_dir"]) / "logs" / "ray" / f"{job_id}.0" / f"node{k}" / "raylet.out"
+            assert copied.is_file() and copied.stat().st_size > 0, logs
+    for name, report in reports.items():
+        assert len(report["nodes"]) == 2 and all(n["CPU"] == 1.0 for n in report["nodes"]), report
+    assert reports["ma-share-a"]["gcs"] != reports["ma-share-b"]["gcs"]
+    assert all(not (a & b) for i, a in enumerate(blocks) for b in blocks[i + 1:])  # no port used twice
