@@ -72,7 +72,7 @@ def run_sft(cfg, resume: str = "auto") -> dict[str, Any]:
     from megatron_arpo.data.sampler import EpochSampler
     from megatron_arpo.data.sft import load_sft_examples
     from megatron_arpo.trainer.checkpointing import ResumeError, is_due, resolve_resume
-    from megatron_arpo.trainer.runtime import with_absolute_paths
+    from megatron_arpo.trainer.runtime import record_placement, with_absolute_paths
     from megatron_arpo.trainer.signals import StopRequest
 
     cfg = with_absolute_paths(cfg)  # the ranks do not share the driver's working directory
@@ -110,6 +110,7 @@ def run_sft(cfg, resume: str = "auto") -> dict[str, Any]:
                 sampler.load_state_dict(state["sampler"])
             logger.info("SFT on %d ranks (tp=%d pp=%d dp=%d) over %d Ray node(s)", group.world_size, group.tp,
                         group.pp, group.dp, conn.num_nodes)
+            record_placement(cfg, group)
             out_dir.mkdir(parents=True, exist_ok=True)
             metrics_path = out_dir / "metrics.jsonl"
             kept = _metrics_lines(metrics_path, step)

@@ -262,7 +262,7 @@ def _probe_tools(rt: Runtime) -> None:
             raise RuntimeError(f"tool {tag!r} timed out on a trivial probe call; check tools.{tag}")
 
 
-def _record_placement(cfg: Any, actor: Any) -> None:
+def record_placement(cfg: Any, actor: Any) -> None:
     """``<run_dir>/placement.json``: the node each actor rank landed on (for operators and tests)."""
     from megatron_arpo.fsutil import atomic_write
 
@@ -332,7 +332,7 @@ def start_runtime(cfg: Any, resume: str) -> Runtime:
         rt.actor = ActorGroup(cfg, role="policy", hf_dir=hf_dir,
                               load_dir=str(rt.resume_from) if rt.resume_from else None,
                               total_steps=optimizer_steps, pools=rt.pools)
-        _record_placement(cfg, rt.actor)
+        record_placement(cfg, rt.actor)
         if cfg.algorithm.use_reference:
             rt.reference = ActorGroup(cfg, role="reference", hf_dir=hf_dir, pools=rt.pools)
         _wait_for_engines(rt)
