@@ -268,8 +268,17 @@ def _check_bounds(value: Any, meta: Mapping[str, Any]) -> str | None:
     return f"{value!r} is out of range; allowed: {' and '.join(f'{w} {b}' for w, b, _ in active)}"
 
 
+# Keys that existed once: saying why they went beats "unknown key".
+REMOVED_KEYS = {
+    "actor.checkpoint.async_save": "removed: saves are synchronous, because a checkpoint must be complete before "
+                                   "a preempted job exits and before old ones are pruned; delete the key",
+}
+
+
 def _unknown_key_message(path: str, key: str, allowed: Sequence[str]) -> str:
     full = f"{path}.{key}" if path else key
+    if full in REMOVED_KEYS:
+        return f"{full}: {REMOVED_KEYS[full]}"
     close = difflib.get_close_matches(key, list(allowed), n=1, cutoff=0.6)
     if close:
         return f"{full}: unknown key (did you mean {(path + '.' if path else '') + close[0]!r}?)"

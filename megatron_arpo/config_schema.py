@@ -46,7 +46,6 @@ class OptimizerSection:
 class ActorCheckpointSection:
     save_optimizer: bool = _f(True, help="include optimizer states (needed for exact resume)")
     load_optimizer: bool = _f(True, help="restore optimizer states on resume")
-    async_save: bool = _f(False, help="Megatron async dist-checkpoint save (GPU only)")
     fully_parallel_save: bool = _f(True, help="spread the save over data-parallel ranks")
 
 

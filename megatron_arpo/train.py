@@ -3,7 +3,8 @@
 One step: rollout (branched multi-turn tool trajectories) -> reward -> GRPO advantages -> old (and
 reference) log-probs -> PPO update -> weight sync -> validation (every ``trainer.val_every``) ->
 checkpoint (every ``trainer.save_every``, and at the end) -> log. The components and the phase functions
-live in ``megatron_arpo.trainer``; this file is the loop.
+live in ``megatron_arpo.trainer``; this file is the loop. A stop request (preemption) is served at the
+next safe point inside the step (``megatron_arpo.trainer.signals``).
 
 Exit codes: 0 done (final policy in ``<run_dir>/hf``); ``launcher.preempt_exit_code`` (42) after SIGUSR1
 and a checkpoint (the Slurm script requeues); 143 after SIGTERM and a checkpoint; 1 when a component
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import Sequence
 
 from megatron_arpo.trainer import checkpointing, metrics, steps
-from megatron_arpo.trainer.signals import StopRequest
+from megatron_arpo.trainer.signals import LeadTimeAdvisor, StepAborted, StopRequest
 
 logger = logging.getLogger(__name__)
 
@@ -34,30 +35,40 @@ def train(cfg, resume: str = "auto") -> int:
     with StopRequest.install() as stop, start_runtime(cfg, resume) as rt:
         stop.reinstall()  # Ray and vLLM start-up may have replaced our handlers
         cfg, t = rt.cfg, rt.cfg.trainer
+        lead = LeadTimeAdvisor(cfg.launcher.signal_lead_seconds)
         if t.val_before_train and rt.step == 0 and rt.val is not None:
             rt.metrics_logger.log(0, steps.validate(rt, 0))
         while rt.step < rt.total_steps and not stop.requested:
             step = rt.step + 1
             with progress(f"step {step}/{rt.total_steps}", None, cfg.logging.progress_bars) as bar:
                 timer = metrics.PhaseTimer(bar)
+                sampler_before = rt.sampler.state_dict()
                 prompts, indices = steps.next_prompts(rt)
                 tools_before = rt.tools.stats()
-                with timer("rollout"):
-                    result = steps.rollout(rt, prompts, step)
-                tools_after = rt.tools.stats()
-                with timer("reward"):
-                    sources = steps.score(rt, result, prompts, rt.train, indices)
-                with timer("advantage"):
-                    batch = steps.make_train_batch(rt, result)
-                logprob_info = steps.add_log_probs(rt, batch, timer)
+                try:  # until the update starts a stop abandons the step (signals.py: safe points)
+                    with timer("rollout"):
+                        result = steps.rollout(rt, prompts, step, cancel_when=lambda: stop.requested)
+                    tools_after = rt.tools.stats()
+                    with timer("reward"):
+                        sources = steps.score(rt, result, prompts, rt.train, indices)
+                    with timer("advantage"):
+                        batch = steps.make_train_batch(rt, result)
+                    logprob_info = steps.add_log_probs(rt, batch, timer)
+                    if stop.requested:
+                        raise StepAborted(f"step {step} abandoned before its update")
+                except StepAborted as exc:
+                    rt.sampler.load_state_dict(sampler_before)  # the resumed run redoes this step
+                    logger.warning("%s; the checkpoint is step %d's state", exc, rt.step)
+                    break
                 with timer("update"):
                     update = steps.update(rt, batch)
-                with timer("sync"):
-                    sync = steps.sync_weights(rt)
-                val = {}
-                if rt.val is not None and t.val_every and checkpointing.is_due(step, t.val_every, rt.total_steps):
-                    with timer("validate"):
-                        val = steps.validate(rt, step)
+                sync, val = {}, {}
+                if not stop.requested:  # stopping: the engines restart from the checkpoint anyway
+                    with timer("sync"):
+                        sync = steps.sync_weights(rt)
+                    if rt.val is not None and t.val_every and checkpointing.is_due(step, t.val_every, rt.total_steps):
+                        with timer("validate"):
+                            val = steps.validate(rt, step)
                 rt.step = step
                 if checkpointing.is_due(step, t.save_every, rt.total_steps) or stop.requested:
                     with timer("save"):
@@ -68,7 +79,7 @@ def train(cfg, resume: str = "auto") -> int:
                    **metrics.tool_metrics(trajs, result.stats, tools_before, tools_after, rt.tools.tags),
                    **metrics.token_statistics(batch, trajs, cfg.rollout.entropy_window),
                    **metrics.actor_metrics(update, logprob_info["padding_fraction"]),
-                   **sync, **val, **timer.metrics(),
+                   **sync, **val, **timer.metrics(), **lead.observe(timer.seconds),
                    **metrics.data_metrics([p.prompt_id.split(":", 1)[1] for p in prompts], rt.sampler.state_dict())}
             rt.metrics_logger.log(step, row)
             logger.info(format_step_summary(step, row, rt.total_steps))

@@ -126,12 +126,16 @@ class Runtime:
     def checkpoint_root(self) -> Path:
         return self.run_dir / "checkpoints"
 
-    def run_async(self, coro: Awaitable, timeout: float, what: str, timeout_key: str) -> Any:
+    def run_async(self, coro: Awaitable, timeout: float, what: str, timeout_key: str,
+                  cancel_when: Optional[Any] = None) -> Any:
         """Run a coroutine on the runtime's event loop, bounded by ``timeout`` seconds; a dead engine actor
-        becomes one RuntimeError naming the phase."""
+        becomes one RuntimeError naming the phase. ``cancel_when()`` turning true (a stop request) cancels it
+        and raises ``StepAborted``."""
         from ray.exceptions import RayActorError
 
         try:
+            if cancel_when is not None:
+                return self.loop.run_until_complete(_cancellable(asyncio.wait_for(coro, timeout), cancel_when, what))
             return self.loop.run_until_complete(asyncio.wait_for(coro, timeout))
         except RayActorError as exc:  # the only actors awaited here are the engines
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -197,6 +201,20 @@ class Runtime:
             logger.warning("shutdown: %d Ray actor(s) of this job still alive: %s", len(alive), alive[:5])
         else:
             logger.info("shutdown: no Ray actor of this job is alive")
+
+
+async def _cancellable(coro: Awaitable, cancel_when: Any, what: str, poll_s: float = 0.2) -> Any:
+    from megatron_arpo.trainer.signals import StepAborted
+
+    task = asyncio.ensure_future(coro)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=poll_s)
+        if done:
+            return task.result()
+        if cancel_when():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise StepAborted(f"{what} was cancelled by a stop request")
 
 
 def alive_actors_of_this_job() -> Optional[list[str]]:

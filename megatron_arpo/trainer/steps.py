@@ -4,7 +4,8 @@
   ``<k>:<dataset uid>`` (k = position in the batch), unique within a call even when a batch straddles
   an epoch boundary and repeats a prompt.
 - ``rollout``: one ARPO/AEPO scheduler call (``call_key = "train-<step>"``, so every random draw of the
-  step is a function of the seed and the step), bounded by ``trainer.timeouts.rollout_s``. A dead
+  step is a function of the seed and the step), bounded by ``trainer.timeouts.rollout_s`` and cancelled
+  by a stop request (a repeated step draws the same). A dead
   engine, or a tool whose every call of the step (at least ``OUTAGE_MIN_CALLS``) failed to reach its
   backend, stops training with that cause.
 - ``score``: the configured reward per trajectory (``score_trajectories``, the scorer evaluation uses),
@@ -36,13 +37,14 @@ def next_prompts(rt: Any) -> tuple[list, list[int]]:
             for k, i in enumerate(indices)], indices
 
 
-def _run_scheduler(rt: Any, prompts: list, call_key: str, options: Any, what: str) -> Any:
+def _run_scheduler(rt: Any, prompts: list, call_key: str, options: Any, what: str, cancel_when: Any = None) -> Any:
     return rt.run_async(rt.scheduler.run(prompts, call_key=call_key, options=options),
-                        rt.cfg.trainer.timeouts.rollout_s, what, "trainer.timeouts.rollout_s")
+                        rt.cfg.trainer.timeouts.rollout_s, what, "trainer.timeouts.rollout_s", cancel_when)
 
 
-def rollout(rt: Any, prompts: list, step: int) -> Any:
-    result = _run_scheduler(rt, prompts, f"train-{step}", None, f"the rollout of step {step}")
+def rollout(rt: Any, prompts: list, step: int, cancel_when: Any = None) -> Any:
+    """``cancel_when()`` (a stop request) cancels the rollout: ``StepAborted`` (see trainer.signals)."""
+    result = _run_scheduler(rt, prompts, f"train-{step}", None, f"the rollout of step {step}", cancel_when)
     check_tool_backends(result.trajectories(), step)
     return result
 

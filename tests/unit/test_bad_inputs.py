@@ -150,6 +150,8 @@ CASES = [
          ("rollout.n: 5000 is out of range; allowed: >= 1 and <= 4096",)),
     Case("misspelt key", validate(lambda d: _base(d, rollout={"beem_size": 2, "response_length": 256})),
          ("rollout.beem_size: unknown key (did you mean 'rollout.beam_size'?)",)),
+    Case("a removed key", validate(lambda d: _base(d, actor={"checkpoint": {"async_save": True}})),
+         ("actor.checkpoint.async_save: removed: saves are synchronous",)),
     Case("--set without =", lambda d: ["config", "validate", "--config", _write(d, _base(d)), "--set", "rollout.n"],
          ("override 'rollout.n': expected KEY=VALUE",)),
     Case("base: include cycle", lambda d: ["config", "validate", "--config",

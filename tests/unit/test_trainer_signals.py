@@ -49,3 +49,49 @@ def test_first_signal_wins(handlers):
     os.kill(os.getpid(), signal.SIGTERM)
     assert stop.signum == signal.SIGUSR1 and stop.exit_code(42) == 42
     stop.restore()
+
+
+def test_a_stop_cancels_a_running_phase_at_once(handlers):
+    """A USR1 during a (here: endless) rollout ends it within a poll interval as StepAborted, and the
+    cancelled coroutine really stops (its cleanup runs)."""
+    import asyncio
+    import threading
+    import time
+
+    from megatron_arpo.trainer.runtime import Runtime
+    from megatron_arpo.trainer.signals import StepAborted
+
+    stop = StopRequest.install()
+    cleaned = []
+
+    async def endless_rollout():
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            cleaned.append(True)
+
+    rt = Runtime(cfg=None, run_dir=None)
+    threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGUSR1)).start()
+    start = time.monotonic()
+    with pytest.raises(StepAborted, match="the rollout of step 3 was cancelled by a stop request"):
+        rt.run_async(endless_rollout(), 3600, "the rollout of step 3", "trainer.timeouts.rollout_s",
+                     cancel_when=lambda: stop.requested)
+    assert time.monotonic() - start < 2.0 and cleaned == [True]
+    # Without a stop the phase runs to its result.
+    stop2 = StopRequest()
+    assert rt.run_async(asyncio.sleep(0.05, result="done"), 10, "x", "k", cancel_when=lambda: stop2.requested) == "done"
+    rt.loop.close()
+
+
+def test_lead_time_advice_follows_the_measured_phases(caplog):
+    from megatron_arpo.trainer.signals import LeadTimeAdvisor
+
+    lead = LeadTimeAdvisor(900)
+    # A 32B-like step: 40 min rollout (a stop cancels it), 8 min log-probs, 12 min update, no save yet.
+    assert lead.observe({"rollout": 2400, "logprob": 480, "update": 720})["preempt/needed_lead_s"] == 1.25 * 720 + 60
+    assert "signal_lead_seconds" not in caplog.text  # no save measured yet: no advice
+    metrics = lead.observe({"rollout": 2300, "logprob": 500, "update": 700, "save": 300})
+    assert metrics["preempt/needed_lead_s"] == 1.25 * (720 + 300) + 60  # the worst phase seen, the last save
+    assert "launcher.signal_lead_seconds=900 is shorter" in caplog.text and ">= 1335" in caplog.text
+    # A rollout never counts: it is cancelled, not waited for.
+    assert LeadTimeAdvisor(900).observe({"rollout": 99999, "save": 10})["preempt/needed_lead_s"] == 1.25 * 10 + 60
