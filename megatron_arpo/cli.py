@@ -50,6 +50,7 @@ COMMANDS: tuple[Command, ...] = (
     Command("launch", "launchers.cli", "launch_main", "launch a job: slurm (sbatch, multi-node) or local (Ray on this host)"),
     Command("plan", "launchers.cli", "plan_main", "per-GPU memory plan: does this config fit?"),
     Command("demo", "megatron_arpo.demo", "demo_main", "the end-to-end CPU demo: SFT, ARPO, evaluation"),
+    Command("doctor", "megatron_arpo.doctor", "doctor_main", "check a GPU node's stack: torch/CUDA, NCCL, TE, vLLM, run dir"),
 )
 
 
