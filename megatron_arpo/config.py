@@ -476,10 +476,9 @@ def _resolve_defaults(cfg: ExperimentConfig) -> ExperimentConfig:
         rollout = rep(rollout, max_model_len=cfg.data.max_prompt_tokens + rollout.response_length)
     if trainer.run_dir is None:
         trainer = rep(trainer, run_dir=f"runs/{cfg.name}")
-    tools = cfg.tools
-    if tools.cache is not None and tools.cache.path is None:
-        tools = rep(tools, cache=rep(tools.cache, path=str(Path(trainer.run_dir) / "tool_cache.sqlite")))
-    return rep(cfg, actor=actor, rollout=rollout, trainer=trainer, tools=tools)
+    # tools.cache.path stays null here: "node-local" is decided on the node that runs the trainer
+    # (megatron_arpo.trainer.checkpointing.tool_cache_path), not where the config is resolved.
+    return rep(cfg, actor=actor, rollout=rollout, trainer=trainer)
 
 
 _ENV_NAME_RE = re.compile(r"^[A-Z_][A-Z0-9_]*$")

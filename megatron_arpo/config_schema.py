@@ -178,7 +178,7 @@ class SearchToolSection:
 
 @dataclass(frozen=True)
 class ToolCacheSection:
-    path: Optional[str] = _f(None, help="SQLite file; null = <run_dir>/tool_cache.sqlite")
+    path: Optional[str] = _f(None, help="SQLite file; null = node-local (under $TMPDIR), snapshotted into each checkpoint")
     busy_timeout_s: float = _f(30.0, gt=0)
 
 

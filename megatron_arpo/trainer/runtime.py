@@ -331,7 +331,11 @@ def start_runtime(cfg: Any, resume: str) -> Runtime:
         rt.reward_fn = get_reward_fn(cfg.data.reward)
         rt.resume_from = checkpointing.resolve_resume(rt.checkpoint_root, resume)
         # Tools run in this process: build and probe them before anything expensive starts.
-        rt.tools = build_tools(cfg.to_dict()["tools"])
+        tools_cfg = cfg.to_dict()["tools"]
+        if tools_cfg["cache"] is not None:
+            tools_cfg["cache"]["path"] = checkpointing.tool_cache_path(cfg)  # node-local unless set
+            logger.info("tool cache: %s (snapshot in every checkpoint)", tools_cfg["cache"]["path"])
+        rt.tools = build_tools(tools_cfg)
         _probe_tools(rt)
         rt.protocol = TagProtocol(rt.tokenizer, rt.tools.tags, extra_eos_token_ids=checkpoint_eos_token_ids(hf_dir))
         rt.options = RolloutOptions.from_config(cfg.rollout, allowed_token_ids=_allowed_ids(cfg, rt.tokenizer))

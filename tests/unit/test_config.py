@@ -140,7 +140,7 @@ def test_with_overrides_returns_a_new_validated_config():
     # Derived values follow the override (max_model_len was null in demo.yaml).
     longer = cfg.with_overrides(["rollout.response_length=1024", "name=other", "trainer.run_dir=null"])
     assert longer.rollout.max_model_len == cfg.data.max_prompt_tokens + 1024
-    assert longer.trainer.run_dir == "runs/other" and longer.tools.cache.path == "runs/other/tool_cache.sqlite"
+    assert longer.trainer.run_dir == "runs/other" and longer.tools.cache.path is None  # node-local, at run time
     assert longer.with_overrides([]) == longer
 
 
@@ -418,9 +418,10 @@ def test_tools_section_feeds_build_tools(tmp_path):
     from megatron_arpo.tools.registry import build_tools
 
     cfg = load_config(DEMO, [f"trainer.run_dir={tmp_path / 'run'}", "tools.search.enabled=false"])
-    assert cfg.tools.cache.path == str(tmp_path / "run" / "tool_cache.sqlite")
+    assert cfg.tools.cache.path is None  # the trainer puts it on node-local disk (checkpointing.tool_cache_path)
     assert cfg.tools.enabled_tags == ["python"]
     tools = cfg.to_dict()["tools"]
+    tools["cache"]["path"] = str(tmp_path / "cache.sqlite")
     executor = build_tools(tools)
     assert executor is not None
     assert load_config(DEMO, ["tools.cache=null"]).tools.cache is None

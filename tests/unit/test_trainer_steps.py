@@ -109,7 +109,6 @@ def test_config_paths_become_absolute_for_ray_workers(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cfg = runtime.with_absolute_paths(config(model={"hf_checkpoint": "ckpt"}, trainer={"run_dir": "runs/x"}))
     assert cfg.model.hf_checkpoint == str(tmp_path / "ckpt") and cfg.run_dir == tmp_path / "runs" / "x"
-    assert cfg.tools.cache.path == str(tmp_path / "runs" / "x" / "tool_cache.sqlite")
 
 
 def test_weight_sync_transport_is_the_object_store_until_the_actor_can_send():
