@@ -1,7 +1,8 @@
 """What a command checks before it starts anything expensive, shared with ``megatron-arpo config validate``.
 
-``train`` refuses a run whose tools cannot work on this machine — a sandbox user that is root or does not
-exist, a missing interpreter, an unset web-search key, a retriever URL that is not http(s) — and whose
+``train`` refuses a run whose tools cannot work on this machine — a sandbox that cannot start (no
+bubblewrap, no user namespaces: the python tool probes it), a sandbox user that is root or does not exist,
+a missing interpreter, an unset web-search key, a retriever URL that is not http(s) — and whose
 files are missing or malformed. ``config validate`` must refuse the same configs, so both call these
 functions, and the tool checks are the tools package's own: the tools are *constructed* (each
 constructor validates its settings, see ``megatron_arpo.tools``), never called, and without the cache,
@@ -40,6 +41,7 @@ def _close(tool: Any) -> None:
 
 def check_tools(cfg: Any, with_files: bool = True) -> None:
     """Construct every enabled tool of ``cfg.tools`` as training would; ConfigError naming the section."""
+    from megatron_arpo.tools.containment import SandboxUnavailable
     from megatron_arpo.tools.registry import build_python_tool, build_search_tool
 
     tools = cfg.to_dict()["tools"]
@@ -53,7 +55,7 @@ def check_tools(cfg: Any, with_files: bool = True) -> None:
     for section, build, section_cfg in builders:
         try:
             tool = build(section_cfg)
-        except (ValueError, OSError) as exc:
+        except (ValueError, OSError, SandboxUnavailable) as exc:  # the tool's own checks (bwrap probe included)
             errors.append(f"{section}: {exc}")
             continue
         _close(tool)
