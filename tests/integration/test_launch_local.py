@@ -233,7 +233,7 @@ def test_connect_ray_forms_a_cluster_inside_a_slurm_allocation(slurm_cluster, tm
     env = {k: v for k, v in job_env().items() if k != "RAY_ADDRESS"}
     job_id = submit(script, run_dir, "ma-connect", env=env)
     info = slurm_cluster.wait_job(job_id, timeout=170)
-    logs = "\n".join(f"==== {p}\n{p.read_text()[-3000:]}" for p in sorted((run_dir / "logs").glob("*")))
+    logs = "\n".join(f"==== {p}\n{p.read_text()[-3000:]}" for p in sorted((run_dir / "logs").glob("*")) if p.is_file())
     assert info["JobState"] == "COMPLETED", logs
     data = json.loads(report.read_text())
     assert data["mode"] == "slurm" and data["job_id"] == job_id, data
@@ -242,3 +242,5 @@ def test_connect_ray_forms_a_cluster_inside_a_slurm_allocation(slurm_cluster, tm
     assert data["left"] == [] and data["srun_code"] == 0, logs
     assert _still_running(data["pids"]) == []
     assert (run_dir / "ray" / f"{job_id}.0" / "done").exists()
+    # Each node's Ray session logs were copied into the run dir (logs/ray/<job>.<restart>/node<k>).
+    assert all((run_dir / "logs" / "ray" / f"{job_id}.0" / f"node{k}" / "raylet.out").is_file() for k in (0, 1)), logs
