@@ -1,0 +1,714 @@
+"""Fake CUDA: run one rank of any Megatron layout in this process, on fake GPU tensors, with no GPU.
+
+Our users run the actor on GPUs; this machine has none. This harness makes the actor's *GPU* branches
+run here: ``torch.cuda.is_available()`` is True, devices are ``cuda:N``, the process group claims NCCL,
+parameters are bf16 on the device. It is built from the facts measured in
+``shared/design/FAKE_CUDA.md``:
+
+- Tensors are ``FakeTensorMode(avoid_device_init=True)`` fakes: shapes, dtypes and devices are real,
+  storage is not (no memory, no arithmetic). Mixing a cuda and a cpu tensor raises, as on a GPU.
+- The default process group uses torch's ``fake`` backend (collectives are no-ops) at any world size,
+  with this process as any rank. Megatron's gloo groups are created on ``fake`` too; each group's
+  *intended* backend is remembered (:meth:`FakeCudaSession.intended_backend`) and reported by
+  ``dist.get_backend``, so code that picks a device from the backend takes its NCCL branch.
+- A small C++ extension (``fake_cuda_guard.cpp``, built on first use with
+  ``torch.utils.cpp_extension.load`` and cached under ``.cache/fake_cuda`` keyed by the torch version
+  and the source hash) registers a fake CUDA device guard and makes ATen report CUDA as the current
+  accelerator; a CPU-only torch has neither, and indexing, ``.cuda()`` and autograd on fake cuda
+  tensors need both. If it cannot be built (no C++ compiler), :func:`load_guard` raises
+  :class:`FakeCudaUnavailable` with the reason; tests skip showing it, never pass silently.
+- ``torch.cuda`` stubs: availability, device count/index/capability (9, 0)/properties, synchronize,
+  memory queries, and the CUDA RNG API mapped onto the CPU generator.
+- **Collective checker**: all_reduce, broadcast, all_gather(_into_tensor), reduce_scatter(_tensor),
+  reduce, gather, scatter, all_to_all(_single) and batch_isend_irecv are wrapped; a non-cuda tensor
+  passed to a group whose intended backend is NCCL is recorded with the call site (the first frame
+  outside torch, megatron and this module's wrappers). ``isend``/``irecv`` themselves are not wrapped:
+  ``P2POp`` checks their identity; their tensors are checked in ``batch_isend_irecv``.
+- **Data-dependent reads** of fake tensors return dummies: ``.item()`` / ``bool()`` / ``int()`` /
+  ``float()`` give 0 (False), ``.tolist()`` zeros of the right shape, ``.numpy()`` of a *cpu* fake a
+  zero array. ``.numpy()`` of a cuda tensor raises ``TypeError`` exactly as torch does on a GPU.
+  Operations whose tensor inputs are all real (host) tensors run for real, outside fake mode (e.g.
+  Megatron's comparison of CPU RNG states inside ``CudaRNGStatesTracker.fork``).
+- **Object collectives** are emulated symmetrically: ``all_gather_object`` / ``gather_object`` see every
+  rank contribute this rank's object. A receiver of ``broadcast_object_list`` / ``scatter_object_list``
+  gets the message recorded from the sending rank's own run when the caller passes it
+  (``peer_messages``: :attr:`FakeCudaSession.sent_messages` of an earlier session as that rank);
+  otherwise its list is left as it is, and the miss is listed in
+  :attr:`FakeCudaSession.missing_peer_messages`.
+
+Harness gaps (not bugs of the code under test), each patched only inside a session:
+- coalesced collectives have no fake implementation: ``_coalescing_manager`` is replaced by one that
+  issues the bucket collectives one by one;
+- Megatron's pipeline shape exchange (``variable_seq_lengths``) would receive dummy shapes: the
+  received shape is the schedule's ``tensor_shape`` (callers feed micro-batches of one shape);
+- Megatron's no-apex gradient norm builds a host tensor from per-tensor norms: replaced by a
+  stack/norm on the device;
+- Megatron's cross-rank checkpoint validation needs every rank's shards; with one rank it is skipped,
+  and ``torch.distributed.checkpoint`` plans as a world of one (each rank writes and reads its own
+  shards; the ``.metadata`` file then describes this rank only).
+
+Process-wide effects that outlive a session: the extension (CUDA stays the accelerator of this
+process) and autograd's device threads. Run one session per process (tests use a subprocess per
+scenario); a session refuses to start when the CPU compat layer (``megatron_arpo.actor.cpu_compat``)
+is already active in the process, since the two make opposite claims about CUDA.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import logging
+import os
+import shutil
+import sys
+import threading
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+GUARD_SOURCE = Path(__file__).with_name("fake_cuda_guard.cpp")
+CACHE_ENV = "MEGATRON_ARPO_FAKE_CUDA_CACHE"
+DEVICE_CAPABILITY = (9, 0)
+DEVICE_MEMORY_BYTES = 80 * 2**30
+MAX_DEVICES = 8  # c10's FakeGuardImpl models eight devices
+
+_guard_module = None
+_guard_error: str | None = None
+_guard_lock = threading.Lock()
+
+
+class FakeCudaUnavailable(RuntimeError):
+    """The fake CUDA extension cannot be built or loaded here; the message says why."""
+
+
+class CollectiveViolation(AssertionError):
+    """A non-CUDA tensor was passed to an NCCL collective (listed with call sites)."""
+
+
+# ------------------------------------------------------------------------------------------ extension
+def _cache_root() -> Path:
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    repo = Path(__file__).resolve().parents[2]
+    if (repo / "setup.py").exists() and os.access(repo, os.W_OK):
+        return repo / ".cache" / "fake_cuda"
+    return Path.home() / ".cache" / "megatron-arpo" / "fake_cuda"
+
+
+def guard_cache_key() -> str:
+    digest = hashlib.sha256(GUARD_SOURCE.read_bytes()).hexdigest()[:12]
+    return f"torch{torch.__version__.replace('+', '_').replace('.', '_')}_{digest}"
+
+
+def load_guard():
+    """Build (first use) or load the cached C++ guard; raises :class:`FakeCudaUnavailable` naming the cause."""
+    global _guard_module, _guard_error
+    with _guard_lock:
+        if _guard_module is not None:
+            return _guard_module
+        if _guard_error is not None:
+            raise FakeCudaUnavailable(_guard_error)
+        if torch.version.cuda is not None or torch.version.hip is not None:
+            _guard_error = (f"torch {torch.__version__} is a GPU build; the fake CUDA harness needs a CPU-only "
+                            f"torch (a real CUDA device guard is already registered)")
+            raise FakeCudaUnavailable(_guard_error)
+        compiler = os.environ.get("CXX", "c++")
+        if shutil.which(compiler) is None:
+            _guard_error = (f"no C++ compiler ({compiler!r} not on PATH) to build {GUARD_SOURCE.name}; install "
+                            f"g++ (apt-get install g++) or set CXX")
+            raise FakeCudaUnavailable(_guard_error)
+        from torch.utils.cpp_extension import load
+
+        key = guard_cache_key()
+        build_dir = _cache_root() / key
+        build_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            module = load(name=f"megatron_arpo_fake_cuda_{key}", sources=[str(GUARD_SOURCE)],
+                          build_directory=str(build_dir), verbose=False)
+        except Exception as exc:  # compiler errors, missing headers, ninja, linker: all mean "unavailable"
+            _guard_error = (f"building {GUARD_SOURCE.name} in {build_dir} failed: {type(exc).__name__}: "
+                            f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else exc!r}")
+            raise FakeCudaUnavailable(_guard_error) from exc
+        if not module.guard_registered() or not module.install_hooks():
+            _guard_error = "the fake CUDA extension loaded but did not take effect (guard or hooks missing)"
+            raise FakeCudaUnavailable(_guard_error)
+        _guard_module = module
+        return module
+
+
+# --------------------------------------------------------------------------------------- patch stack
+class _Patches:
+    """Attribute patches undone in reverse order."""
+
+    def __init__(self):
+        self._undo: list[tuple[Any, str, Any, bool]] = []
+
+    def set(self, obj, name: str, value) -> None:
+        had = hasattr(obj, name) and name in vars(obj) if isinstance(obj, type) else hasattr(obj, name)
+        self._undo.append((obj, name, getattr(obj, name, None), had))
+        setattr(obj, name, value)
+
+    def undo(self) -> None:
+        while self._undo:
+            obj, name, old, had = self._undo.pop()
+            if had:
+                setattr(obj, name, old)
+            else:
+                with contextlib.suppress(AttributeError):
+                    delattr(obj, name)
+
+
+# --------------------------------------------------------------------------------------- torch.cuda
+@dataclass
+class _DeviceState:
+    index: int = 0
+
+
+def _install_cuda_stubs(patches: _Patches, device: _DeviceState, num_devices: int) -> None:
+    cuda = torch.cuda
+
+    def _index(d=None) -> int:
+        if d is None:
+            return device.index
+        if isinstance(d, int):
+            return d
+        d = torch.device(d)
+        return device.index if d.index is None else d.index
+
+    def set_device(d) -> None:
+        idx = _index(d)
+        if not 0 <= idx < num_devices:
+            raise RuntimeError(f"CUDA error: invalid device ordinal {idx} (fake CUDA has {num_devices} devices)")
+        device.index = idx
+
+    props = SimpleNamespace(name="Fake H100 (megatron_arpo.testing.fake_cuda)", major=DEVICE_CAPABILITY[0],
+                            minor=DEVICE_CAPABILITY[1], total_memory=DEVICE_MEMORY_BYTES,
+                            multi_processor_count=132, is_integrated=False, is_multi_gpu_board=False,
+                            L2_cache_size=50 * 2**20, warp_size=32, gcnArchName="", uuid="fake")
+    cpu_gen = torch.default_generator
+
+    def manual_seed(seed) -> None:
+        cpu_gen.manual_seed(int(seed))
+
+    stubs = {
+        "is_available": lambda: True,
+        "is_initialized": lambda: True,
+        "_lazy_init": lambda: None,
+        "init": lambda: None,
+        "device_count": lambda: num_devices,
+        "current_device": lambda: device.index,
+        "set_device": set_device,
+        "get_device_capability": lambda d=None: DEVICE_CAPABILITY,
+        "get_device_properties": lambda d=None: props,
+        "get_device_name": lambda d=None: props.name,
+        "is_bf16_supported": lambda including_emulation=True: True,
+        "synchronize": lambda d=None: None,
+        "empty_cache": lambda: None,
+        "ipc_collect": lambda: None,
+        "memory_allocated": lambda d=None: 0,
+        "max_memory_allocated": lambda d=None: 0,
+        "memory_reserved": lambda d=None: 0,
+        "max_memory_reserved": lambda d=None: 0,
+        "reset_peak_memory_stats": lambda d=None: None,
+        "mem_get_info": lambda d=None: (DEVICE_MEMORY_BYTES, DEVICE_MEMORY_BYTES),
+        "memory_stats": lambda d=None: {},
+        # The "CUDA" generator is the CPU generator (as the CPU compat layer does): seeding and state
+        # snapshots round-trip, which is what Megatron's RNG tracker needs.
+        "get_rng_state": lambda device="cuda": cpu_gen.get_state(),
+        "set_rng_state": lambda new_state, device="cuda": cpu_gen.set_state(new_state),
+        "get_rng_state_all": lambda: [cpu_gen.get_state()] * num_devices,
+        "set_rng_state_all": lambda states: cpu_gen.set_state(states[0]),
+        "manual_seed": manual_seed,
+        "manual_seed_all": manual_seed,
+        "seed": lambda: None,
+        "seed_all": lambda: None,
+        "initial_seed": lambda: cpu_gen.initial_seed(),
+        "default_generators": tuple(cpu_gen for _ in range(num_devices)),
+    }
+    for name, value in stubs.items():
+        patches.set(cuda, name, value)
+    for name in ("get_rng_state", "set_rng_state", "manual_seed", "manual_seed_all", "get_rng_state_all",
+                 "set_rng_state_all", "seed", "seed_all", "initial_seed"):
+        patches.set(cuda.random, name, stubs[name])
+
+
+# ---------------------------------------------------------------------------------- data-read mode
+def _is_fake(x) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(x, FakeTensor)
+
+
+def _zeros_list(shape):
+    if not shape:
+        return 0
+    return [_zeros_list(shape[1:]) for _ in range(shape[0])]
+
+
+def _dummy_scalar(t: torch.Tensor):
+    if t.dtype == torch.bool:
+        return False
+    if t.dtype.is_floating_point or t.dtype.is_complex:
+        return 0.0
+    return 0
+
+
+def _tensors_in(args, kwargs) -> list[torch.Tensor]:
+    from torch.utils._pytree import tree_flatten
+
+    flat, _ = tree_flatten((args, kwargs))
+    return [x for x in flat if isinstance(x, torch.Tensor)]
+
+
+def _mentions_cuda(args, kwargs) -> bool:
+    from torch.utils._pytree import tree_flatten
+
+    flat, _ = tree_flatten((args, kwargs))
+    for x in flat:
+        if isinstance(x, torch.device) and x.type == "cuda":
+            return True
+        if isinstance(x, str) and x.startswith("cuda"):
+            return True
+    return False
+
+
+_SCALAR_READS = {torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.__int__, torch.Tensor.__float__,
+                 torch.Tensor.__index__}
+
+
+class _DataReadMode(torch.overrides.TorchFunctionMode):
+    """Dummy values for data reads of fake tensors; real host-only computations run for real."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.numpy:
+            t = args[0]
+            if t.device.type != "cpu":
+                # torch's own message on a GPU machine
+                raise TypeError(f"can't convert {t.device} device type tensor to numpy. Use Tensor.cpu() to "
+                                f"copy the tensor to host memory first.")
+            if _is_fake(t):
+                import numpy as np
+
+                return np.zeros(tuple(t.shape), dtype=_numpy_dtype(t.dtype))
+            return func(*args, **kwargs)
+        if func in _SCALAR_READS and _is_fake(args[0]):
+            value = _dummy_scalar(args[0])
+            return bool(value) if func is torch.Tensor.__bool__ else (
+                float(value) if func is torch.Tensor.__float__ else (
+                    int(value) if func in (torch.Tensor.__int__, torch.Tensor.__index__) else value))
+        if func is torch.Tensor.tolist and _is_fake(args[0]):
+            t = args[0]
+            return _zeros_list(tuple(t.shape)) if t.dim() else _dummy_scalar(t)
+        if func is torch.equal and any(_is_fake(t) for t in args[:2]):
+            return True
+        tensors = _tensors_in(args, kwargs)
+        if tensors and not any(_is_fake(t) for t in tensors) and not _mentions_cuda(args, kwargs) \
+                and func not in (torch.Tensor.cuda,) and all(t.device.type == "cpu" for t in tensors):
+            from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+            with unset_fake_temporarily():
+                return func(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _numpy_dtype(dtype: torch.dtype):
+    import numpy as np
+
+    if dtype == torch.bfloat16:
+        raise TypeError("Got unsupported ScalarType BFloat16")  # as torch does for .numpy() of bf16
+    return {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
+            torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16, torch.int8: np.int8,
+            torch.uint8: np.uint8, torch.bool: np.bool_}[dtype]
+
+
+# ------------------------------------------------------------------------------ collective checker
+@dataclass(frozen=True)
+class Violation:
+    collective: str
+    backend: str
+    devices: tuple[str, ...]
+    call_site: str
+
+    def __str__(self) -> str:
+        return f"{self.collective} on a {self.backend} group with tensors on {list(self.devices)} at {self.call_site}"
+
+
+_HARNESS_FILE = os.path.abspath(__file__)
+
+
+def _call_site() -> str:
+    """The innermost frame that is neither torch, Megatron's comm helpers nor this harness."""
+    frames = traceback.extract_stack()[:-1]
+    skip = (os.sep + "torch" + os.sep, _HARNESS_FILE, os.sep + "contextlib.py")
+    for frame in reversed(frames):
+        if not any(s in frame.filename for s in skip):
+            return f"{frame.filename}:{frame.lineno} in {frame.name}"
+    return "<unknown>"
+
+
+_CHECKED_COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "_all_gather_base",
+                        "reduce_scatter", "reduce_scatter_tensor", "_reduce_scatter_base", "reduce", "gather",
+                        "scatter", "all_to_all", "all_to_all_single")
+
+
+def _group_arg(name: str, args, kwargs):
+    if "group" in kwargs:
+        return kwargs["group"]
+    import inspect
+
+    fn = getattr(dist.distributed_c10d, name)
+    try:
+        bound = inspect.signature(fn).bind_partial(*args, **kwargs)
+    except TypeError:
+        return None
+    return bound.arguments.get("group")
+
+
+# ------------------------------------------------------------------------------------------ session
+@dataclass
+class FakeCudaSession:
+    """State of one fake-CUDA rank; see the module docstring."""
+
+    world_size: int
+    rank: int
+    num_devices: int
+    violations: list[Violation] = field(default_factory=list)
+    sent_messages: dict[str, list[bytes]] = field(default_factory=dict)
+    missing_peer_messages: list[str] = field(default_factory=list)
+    fake_mode: Any = None
+    _backends: dict[int, str] = field(default_factory=dict)
+    _peer: dict[str, list[bytes]] = field(default_factory=dict)
+    _peer_pos: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def local_rank(self) -> int:
+        return self.rank % self.num_devices
+
+    def intended_backend(self, group=None) -> str:
+        group = group if group is not None else dist.group.WORLD
+        return self._backends.get(id(group), "nccl")
+
+    def check(self) -> None:
+        if self.violations:
+            lines = "\n  ".join(str(v) for v in self.violations)
+            raise CollectiveViolation(f"{len(self.violations)} collective(s) got non-CUDA tensors on NCCL groups:\n  "
+                                      f"{lines}")
+
+    # object-message streams, keyed by sender and group
+    @staticmethod
+    def _stream(src: int, group) -> str:
+        ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+        return f"{src}:{','.join(map(str, ranks))}"
+
+    def _record(self, src: int, group, objects) -> None:
+        buf = io.BytesIO()
+        torch.save(list(objects), buf)
+        self.sent_messages.setdefault(self._stream(src, group), []).append(buf.getvalue())
+
+    def _replay(self, src: int, group, what: str):
+        key = self._stream(src, group)
+        pos = self._peer_pos.get(key, 0)
+        stream = self._peer.get(key, [])
+        self._peer_pos[key] = pos + 1
+        if pos < len(stream):
+            return torch.load(io.BytesIO(stream[pos]), weights_only=False)
+        self.missing_peer_messages.append(f"{what} #{pos} from rank {src} (group {key}) at {_call_site()}")
+        return None
+
+
+_inside = threading.local()
+
+
+def _wrap_collective(session: FakeCudaSession, name: str, original: Callable) -> Callable:
+    def checked(*args, **kwargs):
+        if getattr(_inside, "active", False):  # torch re-enters through __torch_function__ with the public name
+            return original(*args, **kwargs)
+        group = _group_arg(name, args, kwargs)
+        backend = session.intended_backend(group)
+        if backend == "nccl":
+            devices = tuple(sorted({str(t.device) for t in _tensors_in(args, kwargs)}))
+            if any(not d.startswith("cuda") for d in devices):
+                session.violations.append(Violation(name, backend, devices, _call_site()))
+        _inside.active = True
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _inside.active = False
+
+    checked.__wrapped__ = original
+    checked.__name__ = name
+    return checked
+
+
+def _install_dist(patches: _Patches, session: FakeCudaSession) -> None:
+    c10d = dist.distributed_c10d
+    original_new_group = c10d.new_group
+
+    def new_group(ranks=None, timeout=None, backend=None, pg_options=None, *args, **kwargs):
+        intended = str(backend).lower() if backend is not None else "nccl"
+        group = original_new_group(ranks=ranks, timeout=timeout, backend="fake", *args, **kwargs)
+        if group is not None and group is not c10d.GroupMember.NON_GROUP_MEMBER:
+            session._backends[id(group)] = intended
+        return group
+
+    original_get_backend = c10d.get_backend
+
+    def get_backend(group=None):
+        original_get_backend(group)  # raises for a group this rank is not in
+        return dist.Backend(session.intended_backend(group))
+
+    for mod in (dist, c10d):
+        patches.set(mod, "new_group", new_group)
+        patches.set(mod, "get_backend", get_backend)
+        for name in _CHECKED_COLLECTIVES:
+            if hasattr(mod, name):
+                patches.set(mod, name, _wrap_collective(session, name, getattr(c10d, name)))
+
+    original_batch = c10d.batch_isend_irecv
+
+    def batch_isend_irecv(p2p_op_list):
+        for op in p2p_op_list:
+            backend = session.intended_backend(op.group)
+            if backend == "nccl" and op.tensor.device.type != "cuda":
+                session.violations.append(Violation(f"batch_isend_irecv({op.op.__name__})", backend,
+                                                    (str(op.tensor.device),), _call_site()))
+        return original_batch(p2p_op_list)
+
+    for mod in (dist, c10d):
+        patches.set(mod, "batch_isend_irecv", batch_isend_irecv)
+
+    @contextlib.contextmanager
+    def one_by_one(group=None, device=None, async_ops=False):
+        # The fake backend has no coalesced collectives: run the enclosed ones as they come.
+        yield None
+
+    patches.set(c10d, "_coalescing_manager", one_by_one)
+    patches.set(dist, "_coalescing_manager", one_by_one)
+
+    # Object collectives, emulated symmetrically (see the module docstring).
+    def my_group_rank(group) -> int:
+        return dist.get_rank(group) if group is not None else session.rank
+
+    def all_gather_object(object_list, obj, group=None):
+        for i in range(len(object_list)):
+            object_list[i] = obj
+
+    def gather_object(obj, object_gather_list=None, dst=None, group=None, group_dst=None):
+        if object_gather_list is not None:
+            for i in range(len(object_gather_list)):
+                object_gather_list[i] = obj
+
+    def broadcast_object_list(object_list, src=None, group=None, device=None, group_src=None):
+        src_global = src if src is not None else dist.get_global_rank(group, group_src)
+        if src_global == session.rank:
+            session._record(src_global, group, object_list)
+            return
+        received = session._replay(src_global, group, "broadcast_object_list")
+        if received is not None:
+            object_list[:] = received
+
+    def scatter_object_list(scatter_object_output_list, scatter_object_input_list=None, src=None, group=None,
+                            group_src=None):
+        src_global = src if src is not None else dist.get_global_rank(group, group_src)
+        if src_global == session.rank:
+            session._record(src_global, group, scatter_object_input_list)
+            scatter_object_output_list[0] = scatter_object_input_list[my_group_rank(group)]
+            return
+        received = session._replay(src_global, group, "scatter_object_list")
+        if received is not None:
+            scatter_object_output_list[0] = received[my_group_rank(group)]
+
+    for mod in (dist, c10d):
+        patches.set(mod, "all_gather_object", all_gather_object)
+        patches.set(mod, "gather_object", gather_object)
+        patches.set(mod, "broadcast_object_list", broadcast_object_list)
+        patches.set(mod, "scatter_object_list", scatter_object_list)
+
+
+class _HostSlice:
+    def __init__(self, inner):
+        self._inner = inner
+
+    def __getitem__(self, index):
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily():
+            return self._inner[index]
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+class _HostSafeOpen:
+    """A safetensors handle whose reads are real host tensors (file contents are data, not fakes)."""
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def get_slice(self, name):
+        return _HostSlice(self._inner.get_slice(name))
+
+    def get_tensor(self, name):
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily():
+            return self._inner.get_tensor(name)
+
+    def __enter__(self):
+        self._inner.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._inner.__exit__(*exc)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+def _install_module_moves(patches: _Patches) -> None:
+    """``Module.cuda()`` / ``.bfloat16()`` on fake parameters.
+
+    torch swaps fake parameters in place (``torch.utils.swap_tensors``) instead of assigning ``.data``, and
+    refuses when the tensor has weak references; fake mode's own meta converter keeps one on every fake it
+    has described. Those are fake-mode bookkeeping, not references a GPU run would have, so for two fakes
+    the weak-reference check is skipped.
+    """
+    import torch.utils as torch_utils
+
+    original = torch_utils.swap_tensors
+    no_weakrefs = SimpleNamespace(getweakrefs=lambda obj: [])
+
+    def swap_tensors(t1, t2):
+        if not (_is_fake(t1) and _is_fake(t2)):
+            return original(t1, t2)
+        real = torch_utils.weakref
+        torch_utils.weakref = no_weakrefs
+        try:
+            return original(t1, t2)
+        finally:
+            torch_utils.weakref = real
+
+    patches.set(torch_utils, "swap_tensors", swap_tensors)
+
+
+def _install_host_io(patches: _Patches) -> None:
+    import safetensors
+
+    original = safetensors.safe_open
+    patches.set(safetensors, "safe_open", lambda *a, **k: _HostSafeOpen(original(*a, **k)))
+
+
+def _install_megatron_gaps(patches: _Patches) -> None:
+    """The harness gaps listed in the module docstring (only what a one-rank fake world cannot provide)."""
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.pipeline_parallel import p2p_communication
+
+    def l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+        norms = [torch.linalg.vector_norm(t.float()) for t in tensor_lists[0]]
+        return torch.linalg.vector_norm(torch.stack(norms)).reshape(1), None
+
+    patches.set(clip_grads, "l2_norm_impl", l2_norm)
+
+    comm_cls = p2p_communication.P2PCommunicator
+    original_comm = comm_cls._communicate
+    original_shapes = comm_cls._communicate_shapes
+    state = threading.local()
+
+    def _communicate(self, *args, **kwargs):
+        state.tensor_shape = kwargs.get("tensor_shape")
+        return original_comm(self, *args, **kwargs)
+
+    def _communicate_shapes(self, tensor_send_next, tensor_send_prev, recv_prev, recv_next):
+        original_shapes(self, tensor_send_next, tensor_send_prev, recv_prev, recv_next)  # its tensors are checked
+        shape = list(state.tensor_shape) if getattr(state, "tensor_shape", None) is not None else None
+        return (shape if recv_prev else None), (shape if recv_next else None)
+
+    patches.set(comm_cls, "_communicate", _communicate)
+    patches.set(comm_cls, "_communicate_shapes", _communicate_shapes)
+
+    from megatron.core.dist_checkpointing import validation
+
+    patches.set(validation, "validate_sharding_integrity", lambda *a, **k: None)
+    from torch.distributed.checkpoint import utils as dcp_utils
+
+    original_wrapper_init = dcp_utils._DistWrapper.__init__
+
+    def one_rank_wrapper(self, group, use_dist, coordinator_rank):
+        original_wrapper_init(self, group, False, 0)
+
+    patches.set(dcp_utils._DistWrapper, "__init__", one_rank_wrapper)
+
+
+def _fake_mode_class():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    class _FakeMode(FakeTensorMode):
+        # FakeTensorMode derives this from torch.cuda.is_available(), which the stubs make True; it must
+        # stay True, or fake mode would try to initialise the (absent) CUDA runtime.
+        avoid_device_init = True
+
+    return _FakeMode
+
+
+@contextlib.contextmanager
+def fake_cuda(world_size: int, rank: int, *, num_devices: int = MAX_DEVICES,
+              peer_messages: dict[str, list[bytes]] | None = None, check: bool = True) -> Iterator[FakeCudaSession]:
+    """Be rank ``rank`` of a ``world_size`` NCCL world on fake GPUs, in this process (see the module docstring).
+
+    On exit the process group and Megatron's parallel state are destroyed and the Python-level patches
+    undone. With ``check`` (default) a collective violation raises :class:`CollectiveViolation` at exit.
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside the world of {world_size}; allowed: 0..{world_size - 1}")
+    if not 1 <= num_devices <= MAX_DEVICES:
+        raise ValueError(f"num_devices {num_devices}: the fake device guard models 1..{MAX_DEVICES} devices")
+    from megatron_arpo.actor import cpu_compat
+
+    if getattr(cpu_compat, "_patched", False):
+        raise RuntimeError("the CPU compat layer (megatron_arpo.actor.cpu_compat) is active in this process; it maps "
+                           "cuda to cpu, the fake CUDA harness the opposite. Run the harness in a fresh process")
+    if dist.is_initialized():
+        raise RuntimeError("a process group already exists in this process; run the fake CUDA harness in a fresh "
+                           "process")
+    load_guard()
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    _FakeMode = _fake_mode_class()
+
+    session = FakeCudaSession(world_size=world_size, rank=rank, num_devices=num_devices,
+                              _peer=dict(peer_messages or {}))
+    patches = _Patches()
+    device = _DeviceState(index=rank % num_devices)
+    modes = contextlib.ExitStack()
+    try:
+        _install_cuda_stubs(patches, device, num_devices)
+        _install_dist(patches, session)
+        _install_megatron_gaps(patches)
+        _install_host_io(patches)
+        _install_module_moves(patches)
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+        session._backends[id(dist.group.WORLD)] = "nccl"
+        session.fake_mode = _FakeMode(allow_non_fake_inputs=True)
+        modes.enter_context(session.fake_mode)
+        modes.enter_context(_DataReadMode())
+        yield session
+    finally:
+        modes.close()
+        try:
+            if "megatron.core.parallel_state" in sys.modules:
+                sys.modules["megatron.core.parallel_state"].destroy_model_parallel()
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            patches.undo()
+    if check:
+        session.check()
