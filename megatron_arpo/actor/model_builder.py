@@ -223,6 +223,25 @@ def build_gpt_model(
     )
 
 
+def place_model(model, config):
+    """This rank's stage on its GPU in its training precision, as Megatron's own ``get_model`` does.
+
+    ``build_gpt_model`` allocates the tensor-parallel weights on the current device in ``params_dtype``,
+    but modules built with plain torch (the local spec's RMSNorm weights) start on the CPU in fp32: the
+    whole stage is moved to ``torch.cuda.current_device()`` when CUDA is available, then wrapped in
+    ``Float16Module`` for bf16/fp16 (casts every parameter, feeds the first stage half precision inputs
+    and returns fp32 outputs from the last). Returns the module to train or run; the bare ``GPTModel``
+    stays what checkpoints, conversion and export use.
+    """
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    if config.bf16 or config.fp16:
+        from megatron.core.transformer.module import Float16Module
+
+        return Float16Module(config, model)
+    return model
+
+
 def causal_attention_mask(seq_len: int, device: str | torch.device = "cpu") -> torch.Tensor:
     """[1, 1, s, s] bool, True where attention is masked (a key after the query): GPTModel's convention."""
     return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool, device=device), diagonal=1)[None, None]

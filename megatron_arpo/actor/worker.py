@@ -133,7 +133,8 @@ class MegatronActorWorker:
             use_te=self.use_te, recompute=self.actor.recompute == "full")
         model.config.variable_seq_lengths = True  # packed micro-batches differ in shape (PP p2p sends shapes)
         self.rope = None if self.use_te else install_position_rope(model)
-        self.model = model
+        self.model = model  # the bare GPTModel: HF load, checkpoints, export
+        placed = model_builder.place_model(model, model.config)  # on the GPU, Float16Module for bf16
         hf_dir = hf_dir or getattr(getattr(self.cfg, "model", None), "hf_checkpoint", None)
         self.hf_dir = hf_dir
         if hf_dir and load_dir is None:
@@ -141,10 +142,10 @@ class MegatronActorWorker:
         if self.role == "reference":
             for param in model.parameters():
                 param.requires_grad_(False)
-            self.chunk = model
+            self.chunk = placed
         else:
             ddp = DistributedDataParallel(
-                config=model.config, module=model,
+                config=model.config, module=placed,
                 ddp_config=DistributedDataParallelConfig(
                     use_distributed_optimizer=self.actor.use_distributed_optimizer, grad_reduce_in_fp32=True,
                     overlap_grad_reduce=False))
