@@ -37,6 +37,13 @@ from megatron_arpo.algo import losses
 logger = logging.getLogger(__name__)
 
 
+def collective_device() -> torch.device:
+    """Where tensors built for a collective must live: the current GPU (NCCL), else the host (gloo)."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 @dataclass(frozen=True)
 class VocabInfo:
     vocab_start: int
@@ -117,9 +124,9 @@ def entropy_moments_pass(model_chunks, micro_batches, vocab: VocabInfo, rope, dp
         reduced = run_schedule(model_chunks, micro_batches, loss_fn, forward_only=True, rope=rope)
     if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         return None
-    moments = torch.stack([r["moments"] for r in reduced]).sum(0)
+    moments = torch.stack([r["moments"] for r in reduced]).sum(0).to(collective_device())
     dist.all_reduce(moments, group=dp_group)
-    return moments
+    return moments.cpu()
 
 
 def ppo_loss(settings: PPOLossSettings, vocab: VocabInfo, normalizer: float, entropy_stats, with_entropy: bool,

@@ -43,8 +43,8 @@ import torch.distributed as dist
 
 from megatron_arpo.actor import packing
 from megatron_arpo.actor.logprobs import build_micro_batch, install_position_rope
-from megatron_arpo.actor.training import (PPOLossSettings, VocabInfo, entropy_moments_pass, logprob_loss,
-                                          ppo_loss, run_schedule, sft_loss, train_micro_batches)
+from megatron_arpo.actor.training import (PPOLossSettings, VocabInfo, collective_device, entropy_moments_pass,
+                                          logprob_loss, ppo_loss, run_schedule, sft_loss, train_micro_batches)
 
 logger = logging.getLogger(__name__)
 
@@ -244,8 +244,10 @@ class MegatronActorWorker:
                     for idx, vals in packing.unpack_token_values(plan, out[key]).items():
                         flat[k, starts[idx]:starts[idx + 1]] = vals
         if self.pp > 1:
+            flat = flat.to(collective_device())
             dist.broadcast(flat, src=parallel_state.get_pipeline_model_parallel_last_rank(),
                            group=parallel_state.get_pipeline_model_parallel_group())
+            flat = flat.cpu()  # results leave the worker as host tensors
         result: dict[str, Any] = {"padding_fraction": packing.padding_fraction(plans)}
         names = {"logp": "logprobs", "entropy": "entropy"}
         for k, key in enumerate(keys):
@@ -285,7 +287,7 @@ class MegatronActorWorker:
                                      f"split_for_data_parallel so every rank gets part of every mini-batch")
                 count = sum(float(masks[i].sum()) for i in idx) if s.aggregation == "token-mean" else float(len(idx))
                 local = torch.tensor([count, sum(len(seqs[i]) for i in idx), sum(float(masks[i].sum()) for i in idx)],
-                                     dtype=torch.float64)
+                                     dtype=torch.float64, device=collective_device())
                 dist.all_reduce(local, group=dp_group)
                 norm_total = max(float(local[0]), 1.0)
                 tokens += int(local[1])
@@ -323,7 +325,7 @@ class MegatronActorWorker:
 
     def _reduce_step_sums(self, sums, norm_total, num_tokens, dp_group) -> dict[str, float]:
         keys = sorted(sums)
-        vec = torch.stack([sums[k] for k in keys]).double()
+        vec = torch.stack([sums[k] for k in keys]).double().to(collective_device())
         dist.all_reduce(vec, group=dp_group)
         total = dict(zip(keys, vec.tolist()))
         weight = max(total.get("weight", 0.0), 1e-12)
@@ -376,7 +378,8 @@ class MegatronActorWorker:
             mask[0] = 0.0
             masks.append(mask)
         dp_group = parallel_state.get_data_parallel_group()
-        local = torch.tensor([sum(float(m.sum()) for m in masks), sum(len(x) for x in seqs)], dtype=torch.float64)
+        local = torch.tensor([sum(float(m.sum()) for m in masks), sum(len(x) for x in seqs)], dtype=torch.float64,
+                             device=collective_device())
         dist.all_reduce(local, group=dp_group)
         num_tokens = max(float(local[0]), 1.0)
         plans = self._plan([len(x) for x in seqs], self.actor.micro_batch_tokens)
@@ -388,7 +391,7 @@ class MegatronActorWorker:
         elapsed = time.perf_counter() - start
         metrics = None
         if self.is_last_stage:
-            vec = torch.stack([sums["loss"], sums["tokens"]]).double()
+            vec = torch.stack([sums["loss"], sums["tokens"]]).double().to(collective_device())
             dist.all_reduce(vec, group=dp_group)
             metrics = {"loss": float(vec[0]) / num_tokens, "loss_tokens": float(vec[1])}
         metrics = self._broadcast_metrics(metrics)
