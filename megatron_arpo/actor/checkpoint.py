@@ -164,6 +164,10 @@ def save_checkpoint(root: str | os.PathLike, step: int, *, model, optimizer=None
         for sub in ("model", "optim", "rng"):
             (tmp / sub).mkdir(parents=True)
     dist.barrier()
+    # Every rank creates what it writes into: rank 0 made it before the barrier, but on a network
+    # filesystem another node may not see a fresh directory yet.
+    for sub in ("model", "optim", "rng"):
+        (tmp / sub).mkdir(parents=True, exist_ok=True)
     model_sd = model.sharded_state_dict()
     dist_checkpointing.save(model_sd, str(tmp / "model"), sharded_strategy=_save_strategy(fully_parallel))
     has_optimizer = optimizer is not None
@@ -178,31 +182,45 @@ def save_checkpoint(root: str | os.PathLike, step: int, *, model, optimizer=None
         state = {"format": FORMAT, "version": 1, "step": int(step), "layout": dict(layout),
                  "scheduler": scheduler.state_dict() if scheduler is not None else None,
                  "has_optimizer": has_optimizer, "model_config": model_cfg.name, "extra": extra_state}
-        _write_file(tmp / "state.json", json.dumps(state, indent=2, sort_keys=True) + "\n")
-        _write_file(tmp / "model_config.yaml", yaml.safe_dump(model_cfg.to_dict(), sort_keys=False))
-        if tokenizer_dir is not None:
-            from conversion.hf_io import copy_tokenizer_files
-
-            extra = tmp / "model" / "hf_extra"
-            extra.mkdir(exist_ok=True)
-            copy_tokenizer_files(tokenizer_dir, extra)
-            if (Path(tokenizer_dir) / "generation_config.json").exists():
-                shutil.copy2(Path(tokenizer_dir) / "generation_config.json", extra / "generation_config.json")
-        old = None
-        if final.exists():
-            old = root / f".old-{step_dir_name(step)}"
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(final, old)
-        os.rename(tmp, final)
-        _write_file(final / COMPLETE, f"{int(step)}\n")
-        fsync_path(final)
-        fsync_path(root)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-        if keep_last:
-            prune_checkpoints(root, keep_last)
-        logger.info("saved checkpoint %s", final)
+        publish_checkpoint(root, step, state, model_cfg=model_cfg, tokenizer_dir=tokenizer_dir, keep_last=keep_last)
     dist.barrier()
+    return final
+
+
+def publish_checkpoint(root: str | os.PathLike, step: int, state: dict, *, model_cfg,
+                       tokenizer_dir: str | os.PathLike | None = None, keep_last: int | None = None) -> Path:
+    """Rank 0's part of :func:`save_checkpoint`, after every rank wrote its shards into ``.tmp-step-N``.
+
+    Writes ``state.json``, the model config and the tokenizer files, renames the directory to ``step-N``
+    (replacing an older one of that step), writes ``COMPLETE`` and prunes to ``keep_last``.
+    """
+    root = Path(root)
+    final = root / step_dir_name(step)
+    tmp = root / f".tmp-{step_dir_name(step)}"
+    _write_file(tmp / "state.json", json.dumps(state, indent=2, sort_keys=True) + "\n")
+    _write_file(tmp / "model_config.yaml", yaml.safe_dump(model_cfg.to_dict(), sort_keys=False))
+    if tokenizer_dir is not None:
+        from conversion.hf_io import copy_tokenizer_files
+
+        extra = tmp / "model" / "hf_extra"
+        extra.mkdir(exist_ok=True)
+        copy_tokenizer_files(tokenizer_dir, extra)
+        if (Path(tokenizer_dir) / "generation_config.json").exists():
+            shutil.copy2(Path(tokenizer_dir) / "generation_config.json", extra / "generation_config.json")
+    old = None
+    if final.exists():
+        old = root / f".old-{step_dir_name(step)}"
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+    os.rename(tmp, final)
+    _write_file(final / COMPLETE, f"{int(step)}\n")
+    fsync_path(final)
+    fsync_path(root)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    if keep_last:
+        prune_checkpoints(root, keep_last)
+    logger.info("saved checkpoint %s", final)
     return final
 
 
