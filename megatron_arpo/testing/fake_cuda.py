@@ -26,7 +26,10 @@ parameters are bf16 on the device. It is built from the facts measured in
   ``P2POp`` checks their identity; their tensors are checked in ``batch_isend_irecv``.
 - **Data-dependent reads** of fake tensors return dummies: ``.item()`` / ``bool()`` / ``int()`` /
   ``float()`` give 0 (False), ``.tolist()`` zeros of the right shape, ``.numpy()`` of a *cpu* fake a
-  zero array. ``.numpy()`` of a cuda tensor raises ``TypeError`` exactly as torch does on a GPU.
+  zero array. A fake built from Python numbers (``torch.tensor([...], device="cuda")``) reads those
+  numbers until something writes into it (collectives do not: every rank contributes what this rank
+  does), and a fake that fake mode tracks as a constant (such as Adam's step count) reads its value. Health predicates answer as a healthy run would (``isfinite`` True, ``isnan``/``isinf``
+  False, carried through ``all``/``any``/not/and/or), so validation of finite values passes. ``.numpy()`` of a cuda tensor raises ``TypeError`` exactly as torch does on a GPU.
   Operations whose tensor inputs are all real (host) tensors run for real, outside fake mode (e.g.
   Megatron's comparison of CPU RNG states inside ``CudaRNGStatesTracker.fork``).
 - **Object collectives** are emulated symmetrically: ``all_gather_object`` / ``gather_object`` see every
@@ -43,9 +46,12 @@ Harness gaps (not bugs of the code under test), each patched only inside a sessi
   received shape is the schedule's ``tensor_shape`` (callers feed micro-batches of one shape);
 - Megatron's no-apex gradient norm builds a host tensor from per-tensor norms: replaced by a
   stack/norm on the device;
-- Megatron's cross-rank checkpoint validation needs every rank's shards; with one rank it is skipped,
+- Megatron's cross-rank checkpoint validation (sharding coverage, common state equal on all ranks)
+  needs every rank's data; with one rank it is skipped,
   and ``torch.distributed.checkpoint`` plans as a world of one (each rank writes and reads its own
-  shards; the ``.metadata`` file then describes this rank only).
+  shards, as the main replica of all of them; the ``.metadata`` file then describes this rank only). The files Megatron's global rank 0
+  writes for a dist checkpoint (``metadata.json``, ``common.pt``) are written by this rank too, since
+  no other process will.
 
 Process-wide effects that outlive a session: the extension (CUDA stays the accelerator of this
 process) and autograd's device threads. Run one session per process (tests use a subprocess per
@@ -172,7 +178,7 @@ class _DeviceState:
     index: int = 0
 
 
-def _install_cuda_stubs(patches: _Patches, device: _DeviceState, num_devices: int) -> None:
+def _install_cuda_stubs(patches: _Patches, device: _DeviceState, num_devices: int, guard) -> None:
     cuda = torch.cuda
 
     def _index(d=None) -> int:
@@ -188,6 +194,7 @@ def _install_cuda_stubs(patches: _Patches, device: _DeviceState, num_devices: in
         if not 0 <= idx < num_devices:
             raise RuntimeError(f"CUDA error: invalid device ordinal {idx} (fake CUDA has {num_devices} devices)")
         device.index = idx
+        guard.set_device(idx)
 
     props = SimpleNamespace(name="Fake H100 (megatron_arpo.testing.fake_cuda)", major=DEVICE_CAPABILITY[0],
                             minor=DEVICE_CAPABILITY[1], total_memory=DEVICE_MEMORY_BYTES,
@@ -235,6 +242,9 @@ def _install_cuda_stubs(patches: _Patches, device: _DeviceState, num_devices: in
     }
     for name, value in stubs.items():
         patches.set(cuda, name, value)
+    from torch.cuda import nccl
+
+    patches.set(nccl, "version", lambda: (2, 27, 3))  # logged by c10d for "nccl" groups
     for name in ("get_rng_state", "set_rng_state", "manual_seed", "manual_seed_all", "get_rng_state_all",
                  "set_rng_state_all", "seed", "seed_all", "initial_seed"):
         patches.set(cuda.random, name, stubs[name])
@@ -283,12 +293,57 @@ def _mentions_cuda(args, kwargs) -> bool:
 _SCALAR_READS = {torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.__int__, torch.Tensor.__float__,
                  torch.Tensor.__index__}
 
+_READS = _SCALAR_READS | {torch.Tensor.tolist, torch.Tensor.numpy}
+_FACTORIES = {torch.tensor, torch.as_tensor}
+_VALUE = "_fake_cuda_value"
+
+
+def _writes_first_arg(func) -> bool:
+    name = getattr(func, "__name__", "")
+    return name == "__setitem__" or (name.endswith("_") and not name.startswith("__"))
+
+# Health predicates read back as a healthy run would answer them, so that validation such as
+# ``if not bool(torch.isfinite(x)): raise`` passes on fakes; the answer travels through all/any/not/and/or.
+_HEALTHY_ANSWER = {torch.isfinite: True, torch.Tensor.isfinite: True, torch.isnan: False, torch.Tensor.isnan: False,
+                   torch.isinf: False, torch.Tensor.isinf: False}
+_PROPAGATE = {torch.all, torch.Tensor.all, torch.any, torch.Tensor.any}
+_NEGATE = {torch.logical_not, torch.Tensor.logical_not, torch.Tensor.__invert__}
+_COMBINE = {torch.Tensor.__and__: all, torch.logical_and: all, torch.Tensor.__or__: any, torch.logical_or: any}
+_TRUTH = "_fake_cuda_truth"
+
+
+def _truth_of(result, func, args):
+    if func in _HEALTHY_ANSWER:
+        return _HEALTHY_ANSWER[func]
+    tagged = [getattr(a, _TRUTH, None) for a in args if isinstance(a, torch.Tensor)]
+    if func in _PROPAGATE and tagged and tagged[0] is not None:
+        return tagged[0]
+    if func in _NEGATE and tagged and tagged[0] is not None:
+        return not tagged[0]
+    if func in _COMBINE and tagged and None not in tagged:
+        return _COMBINE[func](tagged)
+    return None
+
 
 class _DataReadMode(torch.overrides.TorchFunctionMode):
     """Dummy values for data reads of fake tensors; real host-only computations run for real."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        device = kwargs.get("device")
+        if device is not None and not isinstance(device, int) and torch.device(device).type == "cuda" \
+                and torch.device(device).index is None:
+            # "cuda" means the current device, as on a GPU; torch.tensor(..., device="cuda") under fake
+            # mode would otherwise resolve it through a path that ignores the current device.
+            kwargs = dict(kwargs, device=torch.device("cuda", torch.cuda.current_device()))
+        if func in _READS and _is_fake(args[0]):
+            known = getattr(args[0], "constant", None)
+            known = getattr(args[0], _VALUE, None) if known is None else known
+            if known is not None:
+                from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+                with unset_fake_temporarily():
+                    return func(known, *args[1:], **kwargs)
         if func is torch.Tensor.numpy:
             t = args[0]
             if t.device.type != "cpu":
@@ -301,7 +356,8 @@ class _DataReadMode(torch.overrides.TorchFunctionMode):
                 return np.zeros(tuple(t.shape), dtype=_numpy_dtype(t.dtype))
             return func(*args, **kwargs)
         if func in _SCALAR_READS and _is_fake(args[0]):
-            value = _dummy_scalar(args[0])
+            value = getattr(args[0], _TRUTH, None)
+            value = _dummy_scalar(args[0]) if value is None else value
             return bool(value) if func is torch.Tensor.__bool__ else (
                 float(value) if func is torch.Tensor.__float__ else (
                     int(value) if func in (torch.Tensor.__int__, torch.Tensor.__index__) else value))
@@ -317,7 +373,19 @@ class _DataReadMode(torch.overrides.TorchFunctionMode):
 
             with unset_fake_temporarily():
                 return func(*args, **kwargs)
-        return func(*args, **kwargs)
+        if _is_fake(args[0] if args else None) and hasattr(args[0], _VALUE) and _writes_first_arg(func):
+            delattr(args[0], _VALUE)
+        result = func(*args, **kwargs)
+        if func in _FACTORIES and _is_fake(result) and args and not _tensors_in(args, {}):
+            from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+            with unset_fake_temporarily():
+                setattr(result, _VALUE, func(args[0], dtype=result.dtype))
+        if _is_fake(result) and result.dtype == torch.bool:
+            truth = _truth_of(result, func, args)
+            if truth is not None:
+                setattr(result, _TRUTH, truth)
+        return result
 
 
 def _numpy_dtype(dtype: torch.dtype):
@@ -549,7 +617,8 @@ class _HostSlice:
 
 
 class _HostSafeOpen:
-    """A safetensors handle whose reads are real host tensors (file contents are data, not fakes)."""
+    """A safetensors handle whose reads are real host tensors (file contents are data, not fakes; so are
+    ``torch.load`` results)."""
 
     def __init__(self, inner):
         self._inner = inner
@@ -605,6 +674,41 @@ def _install_host_io(patches: _Patches) -> None:
 
     original = safetensors.safe_open
     patches.set(safetensors, "safe_open", lambda *a, **k: _HostSafeOpen(original(*a, **k)))
+    original_load = torch.load
+
+    def load(*args, **kwargs):
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily():
+            return original_load(*args, **kwargs)
+
+    patches.set(torch, "load", load)
+
+
+def _host_zeros(t: torch.Tensor) -> torch.Tensor:
+    if not _is_fake(t):
+        return t
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        return torch.zeros(t.shape, dtype=t.dtype)
+
+
+class _DistAsRankZero:
+    def get_rank(self, group=None):
+        return 0 if group is None else dist.get_rank(group)
+
+    def __getattr__(self, name):
+        return getattr(dist, name)
+
+
+class _TorchAsRankZero:
+    """``torch`` for a module whose global-rank-0 duties this process must also do."""
+
+    distributed = _DistAsRankZero()
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
 
 
 def _install_megatron_gaps(patches: _Patches) -> None:
@@ -635,9 +739,22 @@ def _install_megatron_gaps(patches: _Patches) -> None:
     patches.set(comm_cls, "_communicate", _communicate)
     patches.set(comm_cls, "_communicate_shapes", _communicate_shapes)
 
-    from megatron.core.dist_checkpointing import validation
+    from megatron.core.dist_checkpointing import serialization, validation
+    from megatron.core.dist_checkpointing.strategies import common as ckpt_common
 
-    patches.set(validation, "validate_sharding_integrity", lambda *a, **k: None)
+    from megatron.core.dist_checkpointing import state_dict_utils
+
+    for module in (validation, state_dict_utils):
+        patches.set(module, "validate_sharding_integrity", lambda *a, **k: None)
+    patches.set(validation, "_validate_common_state_dict", lambda *a, **k: None)
+    # In a world of one this rank is the main replica of everything it holds: it saves all it will load.
+    from megatron.core.dist_checkpointing.strategies import torch as ckpt_torch
+
+    for module in (ckpt_torch, ckpt_common):
+        patches.set(module, "is_main_replica", lambda replica_id: True)
+    # Megatron's rank 0 writes a dist checkpoint's metadata.json and common.pt; no other process will here.
+    for module in (serialization, ckpt_common):
+        patches.set(module, "torch", _TorchAsRankZero())
     from torch.distributed.checkpoint import utils as dcp_utils
 
     original_wrapper_init = dcp_utils._DistWrapper.__init__
@@ -646,6 +763,19 @@ def _install_megatron_gaps(patches: _Patches) -> None:
         original_wrapper_init(self, group, False, 0)
 
     patches.set(dcp_utils._DistWrapper, "__init__", one_rank_wrapper)
+
+    # The bytes a checkpoint writes for a fake tensor are zeros (a host copy of device data is a data read).
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    original_preload = FileSystemWriterAsync.preload_tensors
+
+    def preload_tensors(write_buckets, non_blocking=True):
+        result = []
+        for file_name, storage_key, (bytes_data, tensor_data) in original_preload(write_buckets, non_blocking):
+            result.append((file_name, storage_key, (bytes_data, [(item, _host_zeros(t)) for item, t in tensor_data])))
+        return result
+
+    patches.set(FileSystemWriterAsync, "preload_tensors", staticmethod(preload_tensors))
 
 
 def _fake_mode_class():
@@ -679,7 +809,7 @@ def fake_cuda(world_size: int, rank: int, *, num_devices: int = MAX_DEVICES,
     if dist.is_initialized():
         raise RuntimeError("a process group already exists in this process; run the fake CUDA harness in a fresh "
                            "process")
-    load_guard()
+    guard = load_guard()
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     _FakeMode = _fake_mode_class()
@@ -690,7 +820,8 @@ def fake_cuda(world_size: int, rank: int, *, num_devices: int = MAX_DEVICES,
     device = _DeviceState(index=rank % num_devices)
     modes = contextlib.ExitStack()
     try:
-        _install_cuda_stubs(patches, device, num_devices)
+        _install_cuda_stubs(patches, device, num_devices, guard)
+        guard.set_device(device.index)
         _install_dist(patches, session)
         _install_megatron_gaps(patches)
         _install_host_io(patches)
@@ -710,5 +841,6 @@ def fake_cuda(world_size: int, rank: int, *, num_devices: int = MAX_DEVICES,
             if dist.is_initialized():
                 dist.destroy_process_group()
             patches.undo()
+            guard.set_device(0)
     if check:
         session.check()

@@ -6,8 +6,9 @@
 // 1. A device guard for DeviceType::CUDA. Indexing, .cuda(), .to("cuda"), autograd's backward and a
 //    requires_grad cuda leaf all open a DeviceGuard; without an implementation they raise (or abort).
 //    c10's FakeGuardImpl (a mutable current device and stream ids, eight devices) is registered for CUDA.
-// 2. at::detail::getCUDAHooks().hasCUDA() == true, so that at::accelerator::getAccelerator() answers CUDA:
-//    the autograd engine asks the current accelerator for streams of cuda inputs. getCUDAHooks() builds
+// 2. CUDA hooks that say CUDA is there: isBuilt() (at::accelerator::getAccelerator() picks CUDA, and the
+//    autograd engine asks the current accelerator for streams of cuda inputs), hasCUDA(), and
+//    hasPrimaryContext() (the engine checks it before running a device's backward work). getCUDAHooks() builds
 //    its object once (a default CUDAHooksInterface) and keeps a static reference, usually before any
 //    extension is loaded, so a registry entry would come too late. The cached object is re-typed in place:
 //    FakeCUDAHooks adds no data member (static_assert below), so placement-new only swaps the vtable
@@ -26,6 +27,8 @@ namespace {
 struct FakeCUDAHooks final : at::CUDAHooksInterface {
   bool hasCUDA() const override { return true; }
   bool isBuilt() const override { return true; }
+  // The autograd engine asks before it runs a device's backward work (nothing to initialise here).
+  bool hasPrimaryContext(c10::DeviceIndex) const override { return true; }
 };
 static_assert(sizeof(FakeCUDAHooks) == sizeof(at::CUDAHooksInterface),
               "FakeCUDAHooks must not add state: it is constructed over the cached hooks object");
@@ -44,5 +47,10 @@ bool install_hooks() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("install_hooks", &install_hooks, "make getCUDAHooks().hasCUDA() answer true; returns the new answer");
+  // torch.cuda.set_device is a Python stub; C++ (Tensor.cuda() without an index, DeviceGuard) asks the guard.
+  m.def("set_device", [](int64_t index) {
+    c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->setDevice(
+        c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(index)));
+  });
   m.def("guard_registered", [] { return c10::impl::hasDeviceGuardImpl(c10::DeviceType::CUDA); });
 }
