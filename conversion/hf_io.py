@@ -225,7 +225,7 @@ class SafetensorsShardWriter:
         if tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
             raise ValueError(f"{name}: expected {list(spec.shape)} {spec.dtype}, got {list(tensor.shape)} "
                              f"{tensor.dtype}")
-        data = tensor.detach().contiguous().view(-1).view(torch.uint8).numpy()
+        data = tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()  # device tensors: host copy
         view = memoryview(data)
         written = 0
         while written < len(view):
