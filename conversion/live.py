@@ -142,11 +142,13 @@ def _broadcast_bucket(items: Sequence[tuple[str, torch.Tensor]] | None, src: int
     if meta[0] is None:
         return None
     sizes = [torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size() for _, shape, dt in meta[0]]
+    # The bytes travel on the group's device: the current GPU under NCCL, the host under gloo.
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     if items is not None:
-        flat = torch.cat([t.contiguous().view(-1).view(torch.uint8) for _, t in items]) if items else \
-            torch.empty(0, dtype=torch.uint8)
+        flat = torch.cat([t.contiguous().view(-1).view(torch.uint8) for _, t in items]).to(device) if items else \
+            torch.empty(0, dtype=torch.uint8, device=device)
     else:
-        flat = torch.empty(sum(sizes), dtype=torch.uint8)
+        flat = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
     torch.distributed.broadcast(flat, src=src, group=group)
     if items is not None:
         return list(items)
