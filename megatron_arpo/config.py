@@ -41,7 +41,7 @@ from typing import Any, Literal, Mapping, Optional, Sequence, Union, get_args, g
 import yaml
 
 from megatron_arpo.errors import InputError
-from megatron_arpo.model_config import ModelConfig, load_model_config
+from megatron_arpo.model_config import ModelConfig, layout_errors, load_model_config
 from megatron_arpo.redaction import REDACTED, is_secret_key, redact  # noqa: F401  (re-exported)
 from megatron_arpo.config_schema import (  # noqa: F401  (re-exported: the public config API)
     _f,
@@ -510,16 +510,14 @@ def validate(cfg: ExperimentConfig) -> list[str]:
     tp, pp = a.tensor_parallel, a.pipeline_parallel
 
     # Actor parallelism against the architecture and the devices.
-    for key, value in (("actor.tensor_parallel", tp), ("rollout.tensor_parallel", r.tensor_parallel)):
-        for what in ("num_attention_heads", "num_key_value_heads"):
-            if getattr(model, what) % value:
-                errors.append(f"{key}: {value} does not divide {model.name} {what} {getattr(model, what)}; "
-                              f"allowed: divisors of {getattr(model, what)}")
-    if model.num_hidden_layers % pp:
-        errors.append(f"actor.pipeline_parallel: {pp} does not divide {model.name} num_hidden_layers "
-                      f"{model.num_hidden_layers}")
-    if a.sequence_parallel and tp == 1:
-        errors.append("actor.sequence_parallel: true needs actor.tensor_parallel > 1")
+    errors += layout_errors(model, tp, pp, a.sequence_parallel)
+    for what in ("num_attention_heads", "num_key_value_heads"):
+        if getattr(model, what) % r.tensor_parallel:
+            valid = [t for t in range(1, model.num_attention_heads + 1)
+                     if model.num_attention_heads % t == 0 and model.num_key_value_heads % t == 0]
+            errors.append(f"rollout.tensor_parallel: {r.tensor_parallel} does not divide {model.name} {what} "
+                          f"{getattr(model, what)}; valid values: {valid}")
+            break
     devices = total_devices(cfg)
     if t.placement == "separate":
         for key in ("actor_devices", "rollout_devices"):

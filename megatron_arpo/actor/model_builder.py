@@ -13,7 +13,22 @@ Both: RMSNorm, SwiGLU MLP (``gated_linear_unit`` + silu), no other linear bias, 
 ``rotary_base = rope_theta``, grouped-query attention, no dropout.
 
 Layer specs: on CPU the local spec (pure Megatron modules, torch RMSNorm); on GPU, when Transformer Engine
-is importable, the TE spec. ``use_te=None`` picks TE exactly when it is importable and CUDA is available.
+is importable, the TE spec. ``use_te=None`` picks TE exactly when it is importable and CUDA is available;
+on a GPU machine without TE it falls back to the local spec loudly, and refuses micro-batches of
+``LOCAL_ATTENTION_MAX_TOKENS`` or more (:func:`resolve_use_te`): the local spec's attention keeps the
+``s x s`` score matrix of every head, quadratic in the row length.
+
+Sequence parallelism (``sequence_parallel=True``, needs TP > 1) reaches ``TransformerConfig``. Megatron's
+local spec builds its norms with torch (``WrappedTorchNorm``), which refuses sequence parallelism: with
+SP each TP rank normalises its own slice of the sequence, so the norm weights' gradients are partial
+and must be summed over TP, which Megatron does for parameters marked ``sequence_parallel``.
+:class:`TorchRMSNorm` is torch's ``RMSNorm`` with that mark; the local spec uses it for every norm,
+including the final one (a block spec), so SP runs with the local spec too.
+
+Recompute (``recompute``): ``"none"``; ``"selective"`` maps to Megatron's selective recompute of the
+core attention (``recompute_modules=["core_attn"]``, its default: the ``s x s`` scores and softmax are
+recomputed in backward, the linear layers' activations kept); ``"full"`` to full uniform recompute of
+every layer (only each layer's input is kept).
 
 Parameter names the local spec produces (verified by building tiny-qwen3 / tiny-qwq, see
 tests/unit/test_model_builder.py); ``N`` is the layer index local to the pipeline stage:
@@ -48,6 +63,7 @@ Callers initialise Megatron's parallel state first (:func:`initialize_model_para
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import logging
 from dataclasses import dataclass
@@ -56,7 +72,7 @@ from typing import Mapping
 import torch
 import torch.nn.functional as F
 
-from megatron_arpo.model_config import ModelConfig
+from megatron_arpo.model_config import ModelConfig, layout_errors
 
 logger = logging.getLogger(__name__)
 
@@ -92,11 +108,50 @@ def get_architecture(model_cfg: ModelConfig) -> Architecture:
     return arch
 
 
-def resolve_use_te(use_te: bool | None) -> bool:
-    """``None`` means: Transformer Engine when it is importable and CUDA is available."""
-    if use_te is None:
-        return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
-    return bool(use_te)
+RECOMPUTE_MODES = ("none", "selective", "full")
+# Local-spec attention materialises [rows, heads/tp, s, s] scores (plus softmax and its grad): about
+# 30 B per token^2 per layer measured (FAKE_CUDA.md), 1.9 GiB per layer at 8192 tokens.
+LOCAL_ATTENTION_MAX_TOKENS = 8192
+
+
+def resolve_use_te(use_te: bool | None, *, micro_batch_tokens: int | None = None) -> bool:
+    """``None`` (``actor.use_te: auto``): Transformer Engine when it is importable and CUDA is available.
+
+    On a GPU machine without Transformer Engine, ``auto`` falls back to the local spec with a warning,
+    and refuses when ``micro_batch_tokens`` reaches ``LOCAL_ATTENTION_MAX_TOKENS`` (quadratic attention
+    memory); ``use_te: false`` accepts the local spec explicitly.
+    """
+    if use_te is not None:
+        return bool(use_te)
+    if not torch.cuda.is_available():
+        return False
+    if importlib.util.find_spec("transformer_engine") is not None:
+        return True
+    if micro_batch_tokens is not None and micro_batch_tokens >= LOCAL_ATTENTION_MAX_TOKENS:
+        raise ValueError(
+            f"actor.use_te: auto found CUDA but no Transformer Engine, and the local layer spec's attention keeps "
+            f"s x s scores: at actor.micro_batch_tokens {micro_batch_tokens} that is quadratic memory per layer. "
+            f"Install Transformer Engine (pip install 'megatron-arpo[gpu]'), or set actor.use_te: false to accept "
+            f"the local spec, with actor.micro_batch_tokens below {LOCAL_ATTENTION_MAX_TOKENS}")
+    logger.warning("actor.use_te: auto found CUDA but no Transformer Engine: FALLING BACK TO THE LOCAL LAYER SPEC "
+                   "(unfused attention with s x s scores, no fused kernels). Install transformer-engine, or set "
+                   "actor.use_te: false to make this choice explicit")
+    return False
+
+
+class TorchRMSNorm:
+    """torch ``RMSNorm`` for the local spec that also works under sequence parallelism (see the module doc)."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
+                zero_centered_gamma: bool = False, normalization: str = "RMSNorm"):
+        if config.normalization != "RMSNorm" or config.layernorm_zero_centered_gamma:
+            raise ValueError(f"TorchRMSNorm builds plain RMSNorm, not {config.normalization!r} "
+                             f"(zero-centred gamma {config.layernorm_zero_centered_gamma})")
+        norm = torch.nn.RMSNorm(normalized_shape=hidden_size, eps=eps)
+        for param in norm.parameters():
+            # finalize_model_grads sums the gradients of marked parameters over TP when SP is on
+            setattr(param, "sequence_parallel", bool(config.sequence_parallel))
+        return norm
 
 
 def build_transformer_config(
@@ -106,10 +161,13 @@ def build_transformer_config(
     pipeline_parallel: int = 1,
     params_dtype: torch.dtype = torch.float32,
     sequence_parallel: bool = False,
-    recompute: bool = False,
+    recompute: str | bool = "none",
     use_te: bool | None = None,
 ):
-    """Map a model config onto Megatron's ``TransformerConfig`` (the only place that builds one)."""
+    """Map a model config onto Megatron's ``TransformerConfig`` (the only place that builds one).
+
+    ``recompute``: ``"none"``, ``"selective"`` or ``"full"`` (``True``/``False`` mean full/none).
+    """
     from megatron.core.transformer.enums import AttnBackend
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -117,20 +175,15 @@ def build_transformer_config(
     use_te = resolve_use_te(use_te)
     if params_dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"params_dtype {params_dtype} is not supported; use torch.float32, bfloat16 or float16")
-    if model_cfg.num_key_value_heads % tensor_parallel:
-        raise ValueError(
-            f"model config {model_cfg.name!r}: num_key_value_heads {model_cfg.num_key_value_heads} is not "
-            f"divisible by tensor_parallel {tensor_parallel}; pick a tensor_parallel that divides it"
-        )
-    if model_cfg.num_hidden_layers % pipeline_parallel:
-        raise ValueError(
-            f"model config {model_cfg.name!r}: num_hidden_layers {model_cfg.num_hidden_layers} is not "
-            f"divisible by pipeline_parallel {pipeline_parallel}"
-        )
-    recompute_kwargs = (
-        dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-        if recompute else {}
-    )
+    check_layout(model_cfg, tensor_parallel, pipeline_parallel, sequence_parallel)
+    recompute = {True: "full", False: "none"}.get(recompute, recompute)
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"actor.recompute: {recompute!r} is not supported; allowed: {list(RECOMPUTE_MODES)}")
+    recompute_kwargs = {
+        "none": {},
+        "selective": dict(recompute_granularity="selective", recompute_modules=["core_attn"]),
+        "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+    }[recompute]
     return TransformerConfig(
         num_layers=model_cfg.num_hidden_layers,
         hidden_size=model_cfg.hidden_size,
@@ -149,7 +202,7 @@ def build_transformer_config(
         attention_dropout=0.0,
         tensor_model_parallel_size=tensor_parallel,
         pipeline_model_parallel_size=pipeline_parallel,
-        sequence_parallel=sequence_parallel and tensor_parallel > 1,
+        sequence_parallel=sequence_parallel,
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
@@ -168,14 +221,45 @@ def build_transformer_config(
     )
 
 
+def check_layout(model_cfg: ModelConfig, tensor_parallel: int, pipeline_parallel: int,
+                 sequence_parallel: bool = False) -> None:
+    """Refuse a layout this model cannot take, naming the key and the values it can."""
+    errors = layout_errors(model_cfg, tensor_parallel, pipeline_parallel, sequence_parallel)
+    if errors:
+        raise ValueError("; ".join(errors))
+
+
 def get_layer_spec(model_cfg: ModelConfig, use_te: bool | None = None):
-    """The decoder layer spec: Transformer Engine modules on GPU, local Megatron modules on CPU."""
+    """The decoder layer spec: Transformer Engine modules on GPU, local Megatron modules (+ TorchRMSNorm) on CPU."""
     from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.transformer.identity_op import IdentityOp
 
     arch = get_architecture(model_cfg)
     if resolve_use_te(use_te):
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_layernorm)
-    return gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=arch.qk_layernorm, normalization="RMSNorm")
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=arch.qk_layernorm, normalization="RMSNorm")
+    attn = spec.submodules.self_attention
+    attn_sub = dataclasses.replace(
+        attn.submodules, **{k: TorchRMSNorm for k in ("q_layernorm", "k_layernorm")
+                            if getattr(attn.submodules, k) is not IdentityOp})
+    layer_sub = dataclasses.replace(spec.submodules, input_layernorm=TorchRMSNorm, pre_mlp_layernorm=TorchRMSNorm,
+                                    self_attention=dataclasses.replace(attn, submodules=attn_sub))
+    return dataclasses.replace(spec, submodules=layer_sub)
+
+
+def get_decoder_spec(model_cfg: ModelConfig, config, use_te: bool | None = None):
+    """What ``GPTModel`` gets as ``transformer_layer_spec``: the layer spec, or for the local spec a block spec
+    whose final norm is :class:`TorchRMSNorm` too (Megatron would pick ``WrappedTorchNorm`` for it)."""
+    layer = get_layer_spec(model_cfg, use_te)
+    if resolve_use_te(use_te):
+        return layer
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import (TransformerBlock, TransformerBlockSubmodules,
+                                                             get_num_layers_to_build)
+
+    num_layers = get_num_layers_to_build(config)
+    return ModuleSpec(module=TransformerBlock,
+                      submodules=TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=TorchRMSNorm))
 
 
 def build_gpt_model(
@@ -187,7 +271,8 @@ def build_gpt_model(
     use_te: bool | None = None,
     pre_process: bool | None = None,
     post_process: bool | None = None,
-    recompute: bool = False,
+    recompute: str | bool = "none",
+    sequence_parallel: bool = False,
 ):
     """A ``GPTModel`` for this rank's pipeline stage (parallel state must already be initialised)."""
     from megatron.core import parallel_state
@@ -204,7 +289,7 @@ def build_gpt_model(
     use_te = resolve_use_te(use_te)
     config = build_transformer_config(
         model_cfg, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
-        params_dtype=params_dtype, recompute=recompute, use_te=use_te,
+        params_dtype=params_dtype, recompute=recompute, use_te=use_te, sequence_parallel=sequence_parallel,
     )
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=True)
@@ -212,7 +297,7 @@ def build_gpt_model(
         post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
     return GPTModel(
         config=config,
-        transformer_layer_spec=get_layer_spec(model_cfg, use_te),
+        transformer_layer_spec=get_decoder_spec(model_cfg, config, use_te),
         vocab_size=model_cfg.padded_vocab_size(tensor_parallel),
         max_sequence_length=model_cfg.max_position_embeddings,
         pre_process=pre_process,

@@ -124,13 +124,12 @@ class MegatronActorWorker:
         from megatron_arpo.actor import model_builder
         from megatron_arpo.actor.optimizer import build_optimizer, settings_from_actor
 
-        self.use_te = model_builder.resolve_use_te(self.actor.use_te_flag)
-        if self.actor.recompute == "selective":
-            logger.warning("actor.recompute=selective is not wired to the model builder yet; running without")
+        budget = max(self.actor.micro_batch_tokens, self.actor.logprob_micro_batch_tokens or 0)
+        self.use_te = model_builder.resolve_use_te(self.actor.use_te_flag, micro_batch_tokens=budget)
         self.params_dtype = _DTYPES[self.actor.params_dtype]
         model = model_builder.build_gpt_model(
             self.model_cfg, tensor_parallel=self.tp, pipeline_parallel=self.pp, params_dtype=self.params_dtype,
-            use_te=self.use_te, recompute=self.actor.recompute == "full")
+            use_te=self.use_te, recompute=self.actor.recompute, sequence_parallel=self.actor.sequence_parallel)
         model.config.variable_seq_lengths = True  # packed micro-batches differ in shape (PP p2p sends shapes)
         self.rope = None if self.use_te else install_position_rope(model)
         self.model = model  # the bare GPTModel: HF load, checkpoints, export
@@ -208,15 +207,20 @@ class MegatronActorWorker:
         if policy and self.role != "policy":
             raise RuntimeError(f"this worker has role {self.role!r}; training and saving need role 'policy'")
 
+    @property
+    def _pad_multiple(self) -> int:
+        # Sequence parallelism splits every row over the TP ranks: rows must divide evenly, and only then.
+        return self.tp if self.model.config.sequence_parallel else 1
+
     def _plan(self, lengths: list[int], budget: int) -> list[packing.MicroBatchPlan]:
         # THD flattens a micro-batch into one row anyway: no reason to cut rows.
         row_tokens = budget if self.use_te else self.row_tokens
-        multiple = self.tp if getattr(self.actor, "sequence_parallel", False) else 1
         return packing.plan_micro_batches(lengths, budget, row_tokens=row_tokens, mode=self.packing_mode,
-                                          pad_to_multiple=multiple)
+                                          pad_to_multiple=self._pad_multiple)
 
     def _micro_batches(self, plans, seqs, extras=None) -> list:
-        return [build_micro_batch(p, seqs, extras, use_thd=self.use_te) for p in plans]
+        return [build_micro_batch(p, seqs, extras, use_thd=self.use_te, pad_to_multiple=self._pad_multiple)
+                for p in plans]
 
     # ------------------------------------------------------------------------------------- log-probs
     def compute_log_probs(self, batch: dict, with_entropy: bool = False) -> dict[str, Any]:

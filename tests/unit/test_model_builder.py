@@ -47,7 +47,7 @@ def test_family_flags():
 
 def test_fp16_and_recompute_flags():
     tc = model_builder.build_transformer_config(load_model_config("tiny-qwen3"), params_dtype=torch.float16,
-                                                recompute=True, use_te=False)
+                                                recompute="full", use_te=False)
     assert tc.fp16 and not tc.bf16
     assert tc.recompute_granularity == "full"
 
@@ -58,12 +58,60 @@ def test_unknown_model_type_lists_supported():
         model_builder.build_transformer_config(cfg, use_te=False)
 
 
-def test_bad_parallel_sizes_named():
-    cfg = load_model_config("tiny-qwen3")  # 2 kv heads, 2 layers
-    with pytest.raises(ValueError, match="num_key_value_heads 2 is not divisible by tensor_parallel 4"):
+def test_bad_layouts_name_the_key_and_valid_values():
+    cfg = load_model_config("tiny-qwen3")  # 4 heads, 2 kv heads, 2 layers
+    with pytest.raises(ValueError, match=r"actor.tensor_parallel: 4 does not divide tiny-qwen3 num_key_value_heads 2; "
+                                         r"valid values: \[1, 2\]"):
         model_builder.build_transformer_config(cfg, tensor_parallel=4, use_te=False)
-    with pytest.raises(ValueError, match="num_hidden_layers 2 is not divisible by pipeline_parallel 3"):
+    with pytest.raises(ValueError, match=r"actor.tensor_parallel: 3 does not divide tiny-qwen3 num_attention_heads 4"):
+        model_builder.build_transformer_config(cfg, tensor_parallel=3, use_te=False)
+    with pytest.raises(ValueError, match=r"actor.pipeline_parallel: 3 does not divide tiny-qwen3 num_hidden_layers 2; "
+                                         r"valid values: \[1, 2\]"):
         model_builder.build_transformer_config(cfg, pipeline_parallel=3, use_te=False)
+    with pytest.raises(ValueError, match=r"actor.sequence_parallel: true needs actor.tensor_parallel > 1.*"
+                                         r"actor.tensor_parallel to one of \[2\]"):
+        model_builder.build_transformer_config(cfg, sequence_parallel=True, use_te=False)
+    qwq = load_model_config("qwq-32b")  # 40 heads, 8 kv heads, 64 layers
+    with pytest.raises(ValueError, match=r"valid values: \[1, 2, 4, 8\]"):
+        model_builder.build_transformer_config(qwq, tensor_parallel=16, use_te=False)
+    with pytest.raises(ValueError, match=r"valid values: \[1, 2, 4, 8, 16, 32, 64\]"):
+        model_builder.build_transformer_config(qwq, pipeline_parallel=3, use_te=False)
+
+
+@pytest.mark.parametrize("mode,granularity,modules", [("none", None, None), ("selective", "selective", ["core_attn"]),
+                                                       ("full", "full", None)])
+def test_recompute_modes_reach_transformer_config(mode, granularity, modules):
+    tc = model_builder.build_transformer_config(load_model_config("tiny-qwen3"), recompute=mode, use_te=False)
+    assert tc.recompute_granularity == granularity
+    if modules is not None:
+        assert tc.recompute_modules == modules
+    if mode == "full":
+        assert (tc.recompute_method, tc.recompute_num_layers) == ("uniform", 1)
+    with pytest.raises(ValueError, match=r"actor.recompute: 'some' is not supported; allowed: \['none', 'selective', 'full'\]"):
+        model_builder.build_transformer_config(load_model_config("tiny-qwen3"), recompute="some", use_te=False)
+
+
+def test_sequence_parallel_reaches_transformer_config():
+    cfg = load_model_config("tiny-qwen3")
+    assert model_builder.build_transformer_config(cfg, tensor_parallel=2, sequence_parallel=True, use_te=False
+                                                  ).sequence_parallel
+    assert not model_builder.build_transformer_config(cfg, tensor_parallel=2, use_te=False).sequence_parallel
+
+
+def test_local_spec_norms_carry_the_sequence_parallel_mark():
+    """Megatron sums over TP the grads of parameters marked ``sequence_parallel`` (finalize_model_grads);
+    torch's WrappedTorchNorm refuses SP outright, our TorchRMSNorm marks its weight instead."""
+    cfg = load_model_config("tiny-qwen3")
+    for sp in (True, False):
+        tc = model_builder.build_transformer_config(cfg, tensor_parallel=2, sequence_parallel=sp, use_te=False)
+        norm = model_builder.TorchRMSNorm(tc, hidden_size=cfg.hidden_size, eps=cfg.rms_norm_eps)
+        assert isinstance(norm, torch.nn.RMSNorm) and norm.eps == cfg.rms_norm_eps
+        assert norm.weight.sequence_parallel is sp
+    spec = model_builder.get_layer_spec(cfg, use_te=False)
+    attn = spec.submodules.self_attention.submodules
+    for built in (spec.submodules.input_layernorm, spec.submodules.pre_mlp_layernorm, attn.q_layernorm,
+                  attn.k_layernorm):
+        assert built is model_builder.TorchRMSNorm
 
 
 def test_local_layer_spec_follows_family():
@@ -83,6 +131,30 @@ def test_local_layer_spec_follows_family():
 def test_use_te_auto_is_off_without_cuda():
     assert torch.cuda.is_available() or model_builder.resolve_use_te(None) is False
     assert model_builder.resolve_use_te(True) is True
+
+
+def test_use_te_auto_on_a_gpu_box_without_te_is_loud_or_refuses(monkeypatch, caplog):
+    """The TE selection logic for a GPU machine (which cannot run here): CUDA present, TE absent."""
+    import importlib.util
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "transformer_engine" else real_find_spec(name, *a))
+    with caplog.at_level("WARNING", logger=model_builder.__name__):
+        assert model_builder.resolve_use_te(None, micro_batch_tokens=4096) is False
+    assert "FALLING BACK TO THE LOCAL LAYER SPEC" in caplog.text
+    with pytest.raises(ValueError, match=r"actor.use_te: auto found CUDA but no Transformer Engine.*"
+                                         r"actor.micro_batch_tokens 20480.*pip install 'megatron-arpo\[gpu\]'.*"
+                                         r"actor.use_te: false"):
+        model_builder.resolve_use_te(None, micro_batch_tokens=20480)
+    # An explicit choice is taken as given, quietly.
+    caplog.clear()
+    assert model_builder.resolve_use_te(False, micro_batch_tokens=20480) is False and not caplog.text
+    # With TE importable, auto picks it.
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "transformer_engine" else real_find_spec(name, *a))
+    assert model_builder.resolve_use_te(None, micro_batch_tokens=20480) is True
 
 
 def test_causal_mask_convention():
