@@ -126,19 +126,19 @@ def load_guard():
             _guard_error = (f"torch {torch.__version__} is a GPU build; the fake CUDA harness needs a CPU-only "
                             f"torch (a real CUDA device guard is already registered)")
             raise FakeCudaUnavailable(_guard_error)
+        key = guard_cache_key()
+        name = f"megatron_arpo_fake_cuda_{key}"
+        build_dir = _cache_root() / key
         compiler = os.environ.get("CXX", "c++")
-        if shutil.which(compiler) is None:
+        if not (build_dir / f"{name}.so").exists() and shutil.which(compiler) is None:
             _guard_error = (f"no C++ compiler ({compiler!r} not on PATH) to build {GUARD_SOURCE.name}; install "
                             f"g++ (apt-get install g++) or set CXX")
             raise FakeCudaUnavailable(_guard_error)
         from torch.utils.cpp_extension import load
 
-        key = guard_cache_key()
-        build_dir = _cache_root() / key
         build_dir.mkdir(parents=True, exist_ok=True)
         try:
-            module = load(name=f"megatron_arpo_fake_cuda_{key}", sources=[str(GUARD_SOURCE)],
-                          build_directory=str(build_dir), verbose=False)
+            module = load(name=name, sources=[str(GUARD_SOURCE)], build_directory=str(build_dir), verbose=False)
         except Exception as exc:  # compiler errors, missing headers, ninja, linker: all mean "unavailable"
             _guard_error = (f"building {GUARD_SOURCE.name} in {build_dir} failed: {type(exc).__name__}: "
                             f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else exc!r}")

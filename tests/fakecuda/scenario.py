@@ -1,0 +1,172 @@
+"""Fake-CUDA actor scenarios: ``python tests/fakecuda/scenario.py SPEC.json OUT.json``.
+
+SPEC: ``{"model", "tp", "pp", "dp", "ranks", "sequence_parallel", "hf_dir", "work_dir"}``. The ranks run
+one after the other in this process; a later rank receives the object messages an earlier one sent
+(the last stage's metrics and export metadata reach the first stage). Each rank runs the actor
+worker's GPU paths under ``megatron_arpo.testing.fake_cuda``: init_model (HF weights),
+compute_log_probs with entropy, a PPO update with AEPO entropy-aware advantages (its entropy pass)
+and the optimizer step, sft_step, checkpoint save and load, the weight export for sync and
+write_hf_checkpoint.
+
+OUT is ``{rank: result}`` (what each step saw: devices, dtypes, shapes; the collective checker's
+violations; the peer messages it missed), or ``{"unavailable": reason}`` when the harness's C++ guard
+cannot be built here. The harness changes process-wide torch state: run this as a subprocess.
+
+All sequences have one length, so every micro-batch has one shape: the harness answers Megatron's
+pipeline shape exchange with the schedule's shape.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+SEQ_LEN = 24
+NUM_SEQS = 8  # per DP rank: 4 micro-batches of [2, 24] at 48 tokens each
+
+
+def experiment_config(spec: dict):
+    from megatron_arpo.config import build_config
+
+    return build_config({
+        "model": {"config": spec["model"], "hf_checkpoint": spec["hf_dir"]},
+        "tools": {"search": {"enabled": False}},
+        "data": {"max_prompt_tokens": 8}, "rollout": {"response_length": 16, "n": 2, "initial_rollouts": 2, "entropy_window": 8},
+        "trainer": {"train_batch_size": 4, "keep_last": 2},
+        "algorithm": {"entropy_balanced_clip": True, "entropy_aware_advantage": True},
+        "actor": {"tensor_parallel": spec["tp"], "pipeline_parallel": spec["pp"], "data_parallel": spec["dp"],
+                  "sequence_parallel": spec["sequence_parallel"], "params_dtype": "bf16", "use_te": "false",
+                  "micro_batch_tokens": 2 * SEQ_LEN, "mini_batch_size": 2,
+                  "checkpoint": {"fully_parallel_save": False}},
+    })
+
+
+def batch() -> dict:
+    seqs = [[(7 * i + 3 * t) % 900 + 1 for t in range(SEQ_LEN)] for i in range(NUM_SEQS)]
+    return {"input_ids": seqs, "loss_mask": [[0] * 4 + [1] * (SEQ_LEN - 4) for _ in seqs],
+            "advantages": [1.0, -1.0, 0.5, -0.5, 0.8, -0.8, 0.2, -0.2],
+            "old_logprobs": [[-2.0] * SEQ_LEN for _ in seqs], "group_ids": [0, 0, 1, 1, 2, 2, 3, 3]}
+
+
+def describe(tensor) -> dict:
+    return {"device": str(tensor.device), "dtype": str(tensor.dtype).removeprefix("torch."),
+            "shape": list(tensor.shape)}
+
+
+def run(spec: dict) -> dict:
+    import torch
+
+    from megatron_arpo.testing.fake_cuda import fake_cuda
+
+    world = spec["tp"] * spec["pp"] * spec["dp"]
+    peers = {k: [base64.b64decode(m) for m in v] for k, v in (spec.get("peer_messages") or {}).items()}
+    out: dict = {"steps": {}, "timings": {}}
+    work = Path(spec["work_dir"])
+
+    def step(name, fn):
+        start = time.perf_counter()
+        out["steps"][name] = fn()
+        out["timings"][name] = round(time.perf_counter() - start, 2)
+
+    with fake_cuda(world, spec["rank"], peer_messages=peers, check=False) as session:
+        from megatron_arpo.actor.checkpoint import FORMAT, publish_checkpoint
+        from megatron_arpo.actor.worker import MegatronActorWorker
+
+        worker = MegatronActorWorker(experiment_config(spec), spec["rank"], world)
+        out["coords"] = {"tp": worker.tp_rank, "pp": worker.pp_rank, "dp": worker.dp_rank}
+
+        def init():
+            worker.init_model()
+            params = {n: describe(p) for n, p in worker.chunk.named_parameters()}
+            return {"params": params, "sequence_parallel": bool(worker.model.config.sequence_parallel),
+                    "chunk": type(worker.chunk).__name__,
+                    "wrapped": type(worker.chunk.module).__name__ if hasattr(worker.chunk, "module") else None}
+
+        step("init_model", init)
+        data = batch()
+
+        def logprobs():
+            res = worker.compute_log_probs({"input_ids": data["input_ids"]}, with_entropy=True)
+            return {"logprobs": [describe(t) for t in res["logprobs"]], "entropy": [describe(t) for t in res["entropy"]]}
+
+        step("compute_log_probs", logprobs)
+        step("update", lambda: sorted(worker.update(data)))
+        step("sft_step", lambda: sorted(worker.sft_step({"input_ids": data["input_ids"],
+                                                         "loss_mask": data["loss_mask"]})))
+
+        def checkpoint():
+            path = worker.save(str(work / "ckpt"), extra_state={"note": "fake-cuda"}, step=1)
+            tmp = work / "ckpt" / ".tmp-step-1"
+            own = {"rng": (tmp / "rng" / f"rank_{spec['rank']:05d}.pt").exists(),
+                   "model": bool(list((tmp / "model").glob("*.distcp"))),
+                   "optim": bool(list((tmp / "optim").glob("*.distcp")))} if tmp.exists() else None
+            if spec["rank"] != 0:
+                # Global rank 0 publishes a checkpoint after every rank wrote its shards; here it is not in
+                # this process, so play its part (the state it would write) before loading.
+                publish_checkpoint(work / "ckpt", 1, {
+                    "format": FORMAT, "version": 1, "step": 1, "layout": worker._layout(),
+                    "scheduler": worker.scheduler.state_dict(), "has_optimizer": True,
+                    "model_config": worker.model_cfg.name, "extra": {"note": "fake-cuda"}},
+                    model_cfg=worker.model_cfg)
+            info = worker.load(path)
+            return {"path": path, "own_files": own, "step": info["step"], "note": info.get("note")}
+
+        step("checkpoint", checkpoint)
+
+        def export():
+            buckets = list(worker.iter_weight_buckets(bucket_bytes=1 << 16))
+            tensors = [t for b in buckets for _, t in b]
+            return {"num_buckets": len(buckets), "tensors": {n: describe(t) for b in buckets for n, t in b},
+                    "devices": sorted({str(t.device) for t in tensors})}
+
+        step("export", export)
+
+        def hf():
+            worker.write_hf_checkpoint(work / "hf")
+            return sorted(p.name for p in (work / "hf").iterdir()) if (work / "hf").exists() else None
+
+        step("write_hf_checkpoint", hf)
+        worker.shutdown()
+    out["violations"] = [str(v) for v in session.violations]
+    out["missing_peer_messages"] = session.missing_peer_messages
+    out["sent_messages"] = {k: [base64.b64encode(m).decode() for m in v] for k, v in session.sent_messages.items()}
+    return out
+
+
+def run_ranks(spec: dict) -> dict:
+    """Each rank of ``spec["ranks"]`` in turn; a later rank receives the object messages earlier ones sent."""
+    results, peers = {}, dict(spec.get("peer_messages") or {})
+    for rank in spec["ranks"]:
+        work = Path(spec["work_dir"]) / f"rank{rank}"
+        work.mkdir(parents=True, exist_ok=True)
+        try:
+            out = run(dict(spec, rank=rank, work_dir=str(work), peer_messages=peers))
+        except BaseException:
+            results[str(rank)] = {"error": traceback.format_exc()}
+            break
+        for key, messages in out.pop("sent_messages").items():
+            peers.setdefault(key, []).extend(messages)
+        results[str(rank)] = out
+    return results
+
+
+def main(argv: list[str]) -> int:
+    from megatron_arpo.testing.fake_cuda import FakeCudaUnavailable, load_guard
+
+    spec = json.loads(Path(argv[0]).read_text())
+    try:
+        load_guard()
+    except FakeCudaUnavailable as exc:
+        Path(argv[1]).write_text(json.dumps({"unavailable": str(exc)}))
+        return 0
+    results = run_ranks(spec)
+    Path(argv[1]).write_text(json.dumps(results))
+    return 0 if all("error" not in r for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,134 @@
+"""The actor's GPU code paths, run on fake CUDA devices (megatron_arpo.testing.fake_cuda): tiny-qwen3
+(tied embeddings, q/k norm) and tiny-qwq (QKV bias, untied), first and last pipeline stage of
+TP=2 PP=2 DP=2, with and without sequence parallelism.
+
+Every scenario runs init_model (HF weights) -> compute_log_probs -> update (AEPO entropy pass +
+optimizer step) -> sft_step -> checkpoint save and load -> weight export -> write_hf_checkpoint, with
+the collective checker on (a non-CUDA tensor into an NCCL group is a failure naming the call site).
+Ranks 4 (tp0, dp0, pp1: the last stage) and 0 (the first stage, global rank 0: it writes the HF
+checkpoint) run in one subprocess per scenario, rank 4 first so that rank 0 receives its messages.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from megatron_arpo.testing.tiny import tiny_checkpoint
+
+pytestmark = pytest.mark.slow
+
+SCENARIO = Path(__file__).with_name("scenario.py")
+LAST, FIRST = 4, 0  # Megatron's rank order tp-cp-ep-dp-pp: rank = tp + 2 * dp + 4 * pp
+SCENARIOS = {  # name -> (model, sequence_parallel)
+    "qwen3": ("tiny-qwen3", False),
+    "qwq": ("tiny-qwq", False),
+    "qwen3-sp": ("tiny-qwen3", True),
+    "qwq-sp": ("tiny-qwq", True),
+}
+
+
+def _run(name: str, root: Path) -> dict:
+    model, sp = SCENARIOS[name]
+    work = root / name
+    work.mkdir()
+    spec = {"model": model, "tp": 2, "pp": 2, "dp": 2, "ranks": [LAST, FIRST], "sequence_parallel": sp,
+            "hf_dir": str(tiny_checkpoint(model)), "work_dir": str(work)}
+    (work / "spec.json").write_text(json.dumps(spec))
+    proc = subprocess.run([sys.executable, str(SCENARIO), str(work / "spec.json"), str(work / "out.json")],
+                          capture_output=True, text=True, timeout=600)
+    if not (work / "out.json").exists():
+        raise AssertionError(f"scenario {name} died (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads((work / "out.json").read_text()) | {"_work": str(work)}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("fakecuda")
+    for model in {m for m, _ in SCENARIOS.values()}:
+        tiny_checkpoint(model)  # build once, before two subprocesses would race for it
+    with ThreadPoolExecutor(max_workers=2) as pool:  # two cores: two scenarios at a time
+        out = dict(zip(SCENARIOS, pool.map(lambda n: _run(n, root), SCENARIOS)))
+    unavailable = [r["unavailable"] for r in out.values() if "unavailable" in r]
+    if unavailable:
+        pytest.skip(f"fake CUDA harness unavailable: {unavailable[0]}")
+    return out
+
+
+def _rank(results, name, rank) -> dict:
+    result = results[name][str(rank)] if str(rank) in results[name] else None
+    assert result is not None, f"{name}: rank {rank} did not run: {results[name]}"
+    assert "error" not in result, f"{name} rank {rank} failed:\n{result['error']}"
+    return result
+
+
+def _hf_header(path: Path) -> dict:
+    with open(path, "rb") as fh:
+        header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+    header.pop("__metadata__", None)
+    return {name: (v["dtype"], v["shape"]) for name, v in header.items()}
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+@pytest.mark.parametrize("rank", [FIRST, LAST])
+def test_no_cpu_tensor_reaches_an_nccl_collective(results, name, rank):
+    assert _rank(results, name, rank)["violations"] == []
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+@pytest.mark.parametrize("rank", [FIRST, LAST])
+def test_stage_lives_on_its_gpu_in_bf16_under_float16module(results, name, rank):
+    init = _rank(results, name, rank)["steps"]["init_model"]
+    assert (init["chunk"], init["wrapped"]) == ("DistributedDataParallel", "Float16Module")
+    assert init["sequence_parallel"] is SCENARIOS[name][1]
+    devices = {p["device"] for p in init["params"].values()}
+    dtypes = {p["dtype"] for p in init["params"].values()}
+    assert devices == {f"cuda:{rank % 8}"} and dtypes == {"bfloat16"}, init["params"]
+    names = set(init["params"])
+    has_embedding = any("word_embeddings" in n for n in names)
+    has_output = any(n.endswith("output_layer.weight") for n in names)
+    assert has_embedding == (rank == FIRST) and has_output == (rank == LAST)
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+@pytest.mark.parametrize("rank", [FIRST, LAST])
+def test_log_probs_update_sft_and_checkpoint_ran(results, name, rank):
+    r = _rank(results, name, rank)
+    steps = r["steps"]
+    for key in ("logprobs", "entropy"):
+        got = steps["compute_log_probs"][key]
+        assert len(got) == 8 and all(t == {"device": "cpu", "dtype": "float32", "shape": [24]} for t in got)
+    assert {"loss", "pg_loss", "entropy", "grad_norm", "num_optimizer_steps"} <= set(steps["update"])
+    assert {"loss", "grad_norm", "lr"} <= set(steps["sft_step"])
+    ckpt = steps["checkpoint"]
+    assert (ckpt["step"], ckpt["note"]) == (1, "fake-cuda") and ckpt["path"].endswith("step-1")
+    if rank != FIRST:  # this rank wrote its own shards; rank 0's publishing was played by the scenario
+        assert ckpt["own_files"] == {"rng": True, "model": True, "optim": True}
+    # Only the last stage misses messages: the first stage's export buckets (rank 0 ran after it).
+    missed = r["missing_peer_messages"]
+    assert all("_broadcast_bucket" in m for m in missed) and (rank == FIRST) == (not missed), missed
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_weight_export_and_hf_checkpoint_cover_the_model_on_the_device(results, name):
+    model = SCENARIOS[name][0]
+    source = _hf_header(Path(tiny_checkpoint(model)) / "model.safetensors")  # the checkpoint the run loaded
+    first, last = _rank(results, name, FIRST), _rank(results, name, LAST)
+    exported = first["steps"]["export"]["tensors"]
+    assert first["steps"]["export"]["devices"] == ["cuda:0"]
+    assert {n: t["shape"] for n, t in exported.items()} == {n: shape for n, (_, shape) in source.items()}
+    assert {t["dtype"] for t in exported.values()} == {"bfloat16"}
+    # The last stage exports its own layer (global layer 1), the final norm and (untied) the lm_head.
+    own = {n for n in source if n.startswith("model.layers.1.") or n in ("model.norm.weight", "lm_head.weight")}
+    assert set(last["steps"]["export"]["tensors"]) == own and last["steps"]["export"]["devices"] == ["cuda:4"]
+    # Global rank 0 wrote the HF checkpoint: every tensor, bf16, in the source's shapes.
+    files = first["steps"]["write_hf_checkpoint"]
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(files)
+    written = _hf_header(Path(results[name]["_work"]) / f"rank{FIRST}" / "hf" / "model.safetensors")
+    assert written == {n: ("BF16", shape) for n, (_, shape) in source.items()}
+    assert last["steps"]["write_hf_checkpoint"] is None  # not the writer
