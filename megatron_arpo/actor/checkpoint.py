@@ -258,7 +258,7 @@ def resolve_load_dir(path: str | os.PathLike) -> tuple[Path, Path]:
     return path, model_dir
 
 
-def _init_empty_optimizer_state(optimizer) -> None:
+def init_empty_optimizer_state(optimizer) -> None:
     """Give a never-stepped torch Adam its state tensors (zeros, step 0) before a checkpoint is loaded into it.
 
     Megatron 0.16.1's ``DistributedOptimizer.state_dict()`` reads one ``step`` from the per-parameter states
@@ -318,7 +318,7 @@ def load_checkpoint(path: str | os.PathLike, *, model, optimizer=None, scheduler
     full = False
     if optimizer is not None:
         if load_optimizer and state.get("has_optimizer") and same_layout and (ckpt / "optim").exists():
-            _init_empty_optimizer_state(optimizer)
+            init_empty_optimizer_state(optimizer)
             with torch.no_grad():  # fp32 main params are views of the (leaf) model parameters
                 optim_sd = optimizer.sharded_state_dict(model.sharded_state_dict(), is_loading=True,
                                                         metadata=OPTIM_METADATA)

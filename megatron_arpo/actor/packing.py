@@ -35,6 +35,7 @@ about the same work.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -204,14 +205,13 @@ def thd_layout(plan: MicroBatchPlan, pad_to_multiple: int = 1) -> dict[str, Any]
     order = [i for r in plan.rows for i in r.seq_indices]
     lengths = [n for r in plan.rows for n in r.lengths]
     padded = [_round_up(n, pad_to_multiple) for n in lengths]
-    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-    cu_pad = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-    cu[1:] = torch.tensor(lengths, dtype=torch.int32).cumsum(0)
-    cu_pad[1:] = torch.tensor(padded, dtype=torch.int32).cumsum(0)
-    total = int(cu_pad[-1])
-    flat = MicroBatchPlan((PackedRow(tuple(order), tuple(lengths), tuple(cu_pad[:-1].tolist())),), total)
+    # Offsets are host bookkeeping: computed in Python, turned into tensors only for the kernel.
+    starts = list(itertools.accumulate(padded, initial=0))
+    cu = torch.tensor(list(itertools.accumulate(lengths, initial=0)), dtype=torch.int32)
+    cu_pad = torch.tensor(starts, dtype=torch.int32)
+    flat = MicroBatchPlan((PackedRow(tuple(order), tuple(lengths), tuple(starts[:-1])),), starts[-1])
     return {"plan": flat, "cu_seqlens": cu, "cu_seqlens_padded": cu_pad, "max_seqlen": max(padded),
-            "total_tokens": total}
+            "total_tokens": starts[-1]}
 
 
 def unpack_token_values(plan: MicroBatchPlan, row_values: torch.Tensor) -> dict[int, torch.Tensor]:

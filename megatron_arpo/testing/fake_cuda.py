@@ -24,14 +24,19 @@ parameters are bf16 on the device. It is built from the facts measured in
   passed to a group whose intended backend is NCCL is recorded with the call site (the first frame
   outside torch, megatron and this module's wrappers). ``isend``/``irecv`` themselves are not wrapped:
   ``P2POp`` checks their identity; their tensors are checked in ``batch_isend_irecv``.
-- **Data-dependent reads** of fake tensors return dummies: ``.item()`` / ``bool()`` / ``int()`` /
-  ``float()`` give 0 (False), ``.tolist()`` zeros of the right shape, ``.numpy()`` of a *cpu* fake a
-  zero array. A fake built from Python numbers (``torch.tensor([...], device="cuda")``) reads those
-  numbers until something writes into it (collectives do not: every rank contributes what this rank
-  does), and a fake that fake mode tracks as a constant (such as Adam's step count) reads its value. Health predicates answer as a healthy run would (``isfinite`` True, ``isnan``/``isinf``
-  False, carried through ``all``/``any``/not/and/or), so validation of finite values passes. ``.numpy()`` of a cuda tensor raises ``TypeError`` exactly as torch does on a GPU.
-  Operations whose tensor inputs are all real (host) tensors run for real, outside fake mode (e.g.
-  Megatron's comparison of CPU RNG states inside ``CudaRNGStatesTracker.fork``).
+- **Data-dependent reads** of fakes (``.item()``, ``bool()``, ``int()``, ``float()``, ``.tolist()``: all
+  reach ``aten._local_scalar_dense``) are answered at the dispatch level, so that backward and
+  activation recompute on autograd's device threads see the same rules:
+  - small fakes computed only from known values (``torch.tensor([...])``, real host tensors, and what
+    is derived from them: device moves, slicing, arithmetic; e.g. sequence lengths from
+    ``cu_seqlens``) read their real values, computed on the host; writing into a fake forgets its value,
+    a collective does not (every rank contributes what this rank does);
+  - health predicates answer as a healthy run would (``isfinite`` True, ``isnan``/``isinf`` False,
+    carried through ``all``/``any``/not/and/or), so validation of finite values passes;
+  - anything else reads as 0 (False).
+  ``.numpy()`` of a cuda tensor raises ``TypeError`` exactly as torch does on a GPU; of a host fake it
+  is the known value or zeros. Operations whose tensor inputs are all real host tensors run for real,
+  outside fake mode (e.g. Megatron's comparison of CPU RNG states inside ``CudaRNGStatesTracker.fork``).
 - **Object collectives** are emulated symmetrically: ``all_gather_object`` / ``gather_object`` see every
   rank contribute this rank's object. A receiver of ``broadcast_object_list`` / ``scatter_object_list``
   gets the message recorded from the sending rank's own run when the caller passes it
@@ -257,20 +262,6 @@ def _is_fake(x) -> bool:
     return isinstance(x, FakeTensor)
 
 
-def _zeros_list(shape):
-    if not shape:
-        return 0
-    return [_zeros_list(shape[1:]) for _ in range(shape[0])]
-
-
-def _dummy_scalar(t: torch.Tensor):
-    if t.dtype == torch.bool:
-        return False
-    if t.dtype.is_floating_point or t.dtype.is_complex:
-        return 0.0
-    return 0
-
-
 def _tensors_in(args, kwargs) -> list[torch.Tensor]:
     from torch.utils._pytree import tree_flatten
 
@@ -290,112 +281,175 @@ def _mentions_cuda(args, kwargs) -> bool:
     return False
 
 
-_SCALAR_READS = {torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.__int__, torch.Tensor.__float__,
-                 torch.Tensor.__index__}
-
-_READS = _SCALAR_READS | {torch.Tensor.tolist, torch.Tensor.numpy}
-_FACTORIES = {torch.tensor, torch.as_tensor}
-_VALUE = "_fake_cuda_value"
-
-
-def _writes_first_arg(func) -> bool:
-    name = getattr(func, "__name__", "")
-    return name == "__setitem__" or (name.endswith("_") and not name.startswith("__"))
-
-# Health predicates read back as a healthy run would answer them, so that validation such as
-# ``if not bool(torch.isfinite(x)): raise`` passes on fakes; the answer travels through all/any/not/and/or.
-_HEALTHY_ANSWER = {torch.isfinite: True, torch.Tensor.isfinite: True, torch.isnan: False, torch.Tensor.isnan: False,
-                   torch.isinf: False, torch.Tensor.isinf: False}
-_PROPAGATE = {torch.all, torch.Tensor.all, torch.any, torch.Tensor.any}
-_NEGATE = {torch.logical_not, torch.Tensor.logical_not, torch.Tensor.__invert__}
-_COMBINE = {torch.Tensor.__and__: all, torch.logical_and: all, torch.Tensor.__or__: any, torch.logical_or: any}
-_TRUTH = "_fake_cuda_truth"
-
-
-def _truth_of(result, func, args):
-    if func in _HEALTHY_ANSWER:
-        return _HEALTHY_ANSWER[func]
-    tagged = [getattr(a, _TRUTH, None) for a in args if isinstance(a, torch.Tensor)]
-    if func in _PROPAGATE and tagged and tagged[0] is not None:
-        return tagged[0]
-    if func in _NEGATE and tagged and tagged[0] is not None:
-        return not tagged[0]
-    if func in _COMBINE and tagged and None not in tagged:
-        return _COMBINE[func](tagged)
-    return None
-
-
-class _DataReadMode(torch.overrides.TorchFunctionMode):
-    """Dummy values for data reads of fake tensors; real host-only computations run for real."""
+class _HostFunctionMode(torch.overrides.TorchFunctionMode):
+    """Host-side semantics at the torch-function level (the calling thread): ``"cuda"`` means the current
+    device; ``.numpy()`` of a cuda tensor raises as on a GPU; operations whose tensor inputs are all real
+    host tensors run for real, outside fake mode."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         device = kwargs.get("device")
         if device is not None and not isinstance(device, int) and torch.device(device).type == "cuda" \
                 and torch.device(device).index is None:
-            # "cuda" means the current device, as on a GPU; torch.tensor(..., device="cuda") under fake
-            # mode would otherwise resolve it through a path that ignores the current device.
+            # torch.tensor(..., device="cuda") under fake mode would otherwise ignore the current device
             kwargs = dict(kwargs, device=torch.device("cuda", torch.cuda.current_device()))
-        if func in _READS and _is_fake(args[0]):
-            known = getattr(args[0], "constant", None)
-            known = getattr(args[0], _VALUE, None) if known is None else known
-            if known is not None:
-                from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-                with unset_fake_temporarily():
-                    return func(known, *args[1:], **kwargs)
         if func is torch.Tensor.numpy:
             t = args[0]
-            if t.device.type != "cpu":
-                # torch's own message on a GPU machine
+            if t.device.type != "cpu":  # torch's own message on a GPU machine
                 raise TypeError(f"can't convert {t.device} device type tensor to numpy. Use Tensor.cpu() to "
                                 f"copy the tensor to host memory first.")
             if _is_fake(t):
-                import numpy as np
+                known = _known_value(t)
+                from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-                return np.zeros(tuple(t.shape), dtype=_numpy_dtype(t.dtype))
+                with unset_fake_temporarily():
+                    host = known if known is not None else torch.zeros(t.shape, dtype=t.dtype)
+                    return host.numpy()
             return func(*args, **kwargs)
-        if func in _SCALAR_READS and _is_fake(args[0]):
-            value = getattr(args[0], _TRUTH, None)
-            value = _dummy_scalar(args[0]) if value is None else value
-            return bool(value) if func is torch.Tensor.__bool__ else (
-                float(value) if func is torch.Tensor.__float__ else (
-                    int(value) if func in (torch.Tensor.__int__, torch.Tensor.__index__) else value))
-        if func is torch.Tensor.tolist and _is_fake(args[0]):
-            t = args[0]
-            return _zeros_list(tuple(t.shape)) if t.dim() else _dummy_scalar(t)
-        if func is torch.equal and any(_is_fake(t) for t in args[:2]):
-            return True
         tensors = _tensors_in(args, kwargs)
         if tensors and not any(_is_fake(t) for t in tensors) and not _mentions_cuda(args, kwargs) \
-                and func not in (torch.Tensor.cuda,) and all(t.device.type == "cpu" for t in tensors):
+                and func is not torch.Tensor.cuda and all(t.device.type == "cpu" for t in tensors):
             from torch._subclasses.fake_tensor import unset_fake_temporarily
 
             with unset_fake_temporarily():
                 return func(*args, **kwargs)
-        if _is_fake(args[0] if args else None) and hasattr(args[0], _VALUE) and _writes_first_arg(func):
-            delattr(args[0], _VALUE)
         result = func(*args, **kwargs)
-        if func in _FACTORIES and _is_fake(result) and args and not _tensors_in(args, {}):
-            from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-            with unset_fake_temporarily():
-                setattr(result, _VALUE, func(args[0], dtype=result.dtype))
-        if _is_fake(result) and result.dtype == torch.bool:
-            truth = _truth_of(result, func, args)
+        if _is_fake(result) and result.dtype == torch.bool and getattr(result, _TRUTH, None) is None:
+            # isfinite & co. decompose before the dispatch level sees them: tag their answer here
+            truth = _function_truth(func, args)
             if truth is not None:
                 setattr(result, _TRUTH, truth)
         return result
 
 
-def _numpy_dtype(dtype: torch.dtype):
-    import numpy as np
+_HEALTHY = {torch.isfinite: True, torch.Tensor.isfinite: True, torch.isnan: False, torch.Tensor.isnan: False,
+            torch.isinf: False, torch.Tensor.isinf: False}
+_PROPAGATE = {torch.all, torch.Tensor.all, torch.any, torch.Tensor.any}
+_NEGATE = {torch.logical_not, torch.Tensor.logical_not, torch.Tensor.__invert__}
+_COMBINE = {torch.Tensor.__and__: all, torch.logical_and: all, torch.Tensor.__or__: any, torch.logical_or: any}
 
-    if dtype == torch.bfloat16:
-        raise TypeError("Got unsupported ScalarType BFloat16")  # as torch does for .numpy() of bf16
-    return {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
-            torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16, torch.int8: np.int8,
-            torch.uint8: np.uint8, torch.bool: np.bool_}[dtype]
+
+def _function_truth(func, args):
+    if func in _HEALTHY:
+        return _HEALTHY[func]
+    truths = [getattr(a, _TRUTH, None) for a in args if isinstance(a, torch.Tensor)]
+    if func in _PROPAGATE and truths and truths[0] is not None:
+        return truths[0]
+    if func in _NEGATE and truths and truths[0] is not None:
+        return not truths[0]
+    if func in _COMBINE and truths and None not in truths:
+        return _COMBINE[func](truths)
+    return None
+
+
+_VALUE = "_fake_cuda_value"  # the host value of a fake whose value is known
+_TRUTH = "_fake_cuda_truth"  # the answer a healthy run gives for a bool fake of unknown value
+_MAX_KNOWN_NUMEL = 1 << 16  # values are followed for small (bookkeeping) tensors only
+
+
+def _known_value(t):
+    if not isinstance(t, torch.Tensor):
+        return None
+    if not _is_fake(t):
+        return t if t.device.type == "cpu" else None
+    value = getattr(t, "constant", None)
+    return getattr(t, _VALUE, None) if value is None else value
+
+
+def _aten_tables():
+    aten = torch.ops.aten
+    healthy = {aten.isfinite: True, aten.isnan: False, aten.isinf: False}
+    propagate = {aten.all, aten.any, aten.clone, aten._to_copy, aten.view, aten.reshape, aten.select, aten.slice,
+                 aten.squeeze, aten.unsqueeze, aten.alias, aten.detach, aten.lift_fresh, aten.lift_fresh_copy}
+    negate = {aten.logical_not, aten.bitwise_not}
+    combine = {aten.logical_and: all, aten.bitwise_and: all, aten.logical_or: any, aten.bitwise_or: any}
+    return healthy, propagate, negate, combine
+
+
+def _dummy_scalar(t: torch.Tensor):
+    if t.dtype == torch.bool:
+        return False
+    if t.dtype.is_floating_point or t.dtype.is_complex:
+        return 0.0
+    return 0
+
+
+class _DataReadMode(torch.utils._python_dispatch.TorchDispatchMode):
+    """Data reads of fakes (``aten._local_scalar_dense``: item, bool, int, float, tolist), at the dispatch
+    level so that they behave the same on autograd's device threads (backward, activation recompute).
+
+    - Small fakes whose inputs are all known (real host tensors, or fakes with a known value) get their
+      value computed on the host: ``torch.tensor([...])`` and what is derived from it (device moves,
+      slicing, arithmetic), e.g. sequence lengths from ``cu_seqlens``. Writing into a fake forgets its
+      value, except by a collective (the fake process group changes nothing: every rank contributes what
+      this rank does).
+    - Health predicates of unknown values answer as a healthy run would: ``isfinite`` True, ``isnan`` /
+      ``isinf`` False, carried through all/any/not/and/or.
+    - Anything else reads as zero (False).
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.healthy, self.propagate, self.negate, self.combine = _aten_tables()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._local_scalar_dense.default and _is_fake(args[0]):
+            t = args[0]
+            known = _known_value(t)
+            if known is not None:
+                from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+                with unset_fake_temporarily():
+                    return known.item()
+            truth = getattr(t, _TRUTH, None)
+            return _dummy_scalar(t) if truth is None else (truth if t.dtype == torch.bool else int(truth))
+        if func._schema.is_mutable and func.namespace != "c10d":
+            for t in _tensors_in(args, kwargs):
+                if _is_fake(t) and hasattr(t, _VALUE):
+                    delattr(t, _VALUE)
+        out = func(*args, **kwargs)
+        results = out if isinstance(out, (tuple, list)) else [out]
+        fakes = [r for r in results if _is_fake(r)]
+        if fakes and not func._schema.is_mutable and sum(r.numel() for r in fakes) <= _MAX_KNOWN_NUMEL:
+            self._follow(func, args, kwargs, out)
+        return out
+
+    def _follow(self, func, args, kwargs, out) -> None:
+        tensors = _tensors_in(args, kwargs)
+        known = [_known_value(t) for t in tensors]
+        if tensors and all(k is not None for k in known):
+            from torch._subclasses.fake_tensor import unset_fake_temporarily
+            from torch.utils._pytree import tree_map
+
+            host_args = tree_map(lambda x: _known_value(x) if isinstance(x, torch.Tensor) else x, args)
+            host_kwargs = {k: tree_map(lambda x: _known_value(x) if isinstance(x, torch.Tensor) else x, v)
+                           for k, v in kwargs.items() if k != "device"}
+            try:
+                with unset_fake_temporarily():
+                    value = func(*host_args, **host_kwargs)
+            except Exception:  # noqa: BLE001 (an op that cannot run on the host values just stays unknown)
+                return
+            for fake, host in zip(out if isinstance(out, (tuple, list)) else [out],
+                                  value if isinstance(value, (tuple, list)) else [value]):
+                if _is_fake(fake) and isinstance(host, torch.Tensor) and host.shape == fake.shape:
+                    setattr(fake, _VALUE, host)
+            return
+        if not _is_fake(out) or out.dtype != torch.bool:
+            return
+        packet = func.overloadpacket
+        truths = [getattr(t, _TRUTH, None) for t in tensors]
+        if packet in self.healthy:
+            truth = self.healthy[packet]
+        elif packet in self.propagate and truths and truths[0] is not None:
+            truth = truths[0]
+        elif packet in self.negate and truths and truths[0] is not None:
+            truth = not truths[0]
+        elif packet in self.combine and truths and None not in truths:
+            truth = self.combine[packet](truths)
+        else:
+            return
+        setattr(out, _TRUTH, truth)
 
 
 # ------------------------------------------------------------------------------ collective checker
@@ -476,6 +530,13 @@ class FakeCudaSession:
     def _stream(src: int, group) -> str:
         ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
         return f"{src}:{','.join(map(str, ranks))}"
+
+    def add_peer_message(self, src: int, group_ranks, objects: list) -> None:
+        """Queue what rank ``src`` broadcasts next to the group of ``group_ranks`` (e.g. a stand-in for a
+        stage that is not run)."""
+        buf = io.BytesIO()
+        torch.save(list(objects), buf)
+        self._peer.setdefault(f"{src}:{','.join(map(str, group_ranks))}", []).append(buf.getvalue())
 
     def _record(self, src: int, group, objects) -> None:
         buf = io.BytesIO()
@@ -559,8 +620,10 @@ def _install_dist(patches: _Patches, session: FakeCudaSession) -> None:
         # The fake backend has no coalesced collectives: run the enclosed ones as they come.
         yield None
 
-    patches.set(c10d, "_coalescing_manager", one_by_one)
-    patches.set(dist, "_coalescing_manager", one_by_one)
+    from megatron.core.distributed import param_and_grad_buffer  # binds the name at import time
+
+    for mod in (c10d, dist, param_and_grad_buffer):
+        patches.set(mod, "_coalescing_manager", one_by_one)
 
     # Object collectives, emulated symmetrically (see the module docstring).
     def my_group_rank(group) -> int:
@@ -830,7 +893,8 @@ def fake_cuda(world_size: int, rank: int, *, num_devices: int = MAX_DEVICES,
         session._backends[id(dist.group.WORLD)] = "nccl"
         session.fake_mode = _FakeMode(allow_non_fake_inputs=True)
         modes.enter_context(session.fake_mode)
-        modes.enter_context(_DataReadMode())
+        modes.enter_context(_DataReadMode())  # dispatch level: autograd's device threads see it too
+        modes.enter_context(_HostFunctionMode())
         yield session
     finally:
         modes.close()

@@ -1,6 +1,6 @@
 """Fake-CUDA actor scenarios: ``python tests/fakecuda/scenario.py SPEC.json OUT.json``.
 
-SPEC: ``{"model", "tp", "pp", "dp", "ranks", "sequence_parallel", "hf_dir", "work_dir"}``. The ranks run
+SPEC: ``{"model", "tp", "pp", "dp", "ranks", "sequence_parallel", "recompute", "hf_dir", "work_dir"}``. The ranks run
 one after the other in this process; a later rank receives the object messages an earlier one sent
 (the last stage's metrics and export metadata reach the first stage). Each rank runs the actor
 worker's GPU paths under ``megatron_arpo.testing.fake_cuda``: init_model (HF weights),
@@ -40,6 +40,7 @@ def experiment_config(spec: dict):
         "algorithm": {"entropy_balanced_clip": True, "entropy_aware_advantage": True},
         "actor": {"tensor_parallel": spec["tp"], "pipeline_parallel": spec["pp"], "data_parallel": spec["dp"],
                   "sequence_parallel": spec["sequence_parallel"], "params_dtype": "bf16", "use_te": "false",
+                  "recompute": spec.get("recompute", "none"),
                   "micro_batch_tokens": 2 * SEQ_LEN, "mini_batch_size": 2,
                   "checkpoint": {"fully_parallel_save": False}},
     })

@@ -1,6 +1,6 @@
 """The actor's GPU code paths, run on fake CUDA devices (megatron_arpo.testing.fake_cuda): tiny-qwen3
 (tied embeddings, q/k norm) and tiny-qwq (QKV bias, untied), first and last pipeline stage of
-TP=2 PP=2 DP=2, with and without sequence parallelism.
+TP=2 PP=2 DP=2, with and without sequence parallelism (with SP: selective and full recompute).
 
 Every scenario runs init_model (HF weights) -> compute_log_probs -> update (AEPO entropy pass +
 optimizer step) -> sft_step -> checkpoint save and load -> weight export -> write_hf_checkpoint, with
@@ -25,19 +25,20 @@ pytestmark = pytest.mark.slow
 
 SCENARIO = Path(__file__).with_name("scenario.py")
 LAST, FIRST = 4, 0  # Megatron's rank order tp-cp-ep-dp-pp: rank = tp + 2 * dp + 4 * pp
-SCENARIOS = {  # name -> (model, sequence_parallel)
-    "qwen3": ("tiny-qwen3", False),
-    "qwq": ("tiny-qwq", False),
-    "qwen3-sp": ("tiny-qwen3", True),
-    "qwq-sp": ("tiny-qwq", True),
+SCENARIOS = {  # name -> (model, sequence_parallel, recompute)
+    "qwen3": ("tiny-qwen3", False, "none"),
+    "qwq": ("tiny-qwq", False, "none"),
+    "qwen3-sp": ("tiny-qwen3", True, "selective"),
+    "qwq-sp": ("tiny-qwq", True, "full"),  # recompute runs forward code in backward, on autograd's thread
 }
 
 
 def _run(name: str, root: Path) -> dict:
-    model, sp = SCENARIOS[name]
+    model, sp, recompute = SCENARIOS[name]
     work = root / name
     work.mkdir()
     spec = {"model": model, "tp": 2, "pp": 2, "dp": 2, "ranks": [LAST, FIRST], "sequence_parallel": sp,
+            "recompute": recompute,
             "hf_dir": str(tiny_checkpoint(model)), "work_dir": str(work)}
     (work / "spec.json").write_text(json.dumps(spec))
     proc = subprocess.run([sys.executable, str(SCENARIO), str(work / "spec.json"), str(work / "out.json")],
@@ -50,7 +51,7 @@ def _run(name: str, root: Path) -> dict:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("fakecuda")
-    for model in {m for m, _ in SCENARIOS.values()}:
+    for model in {m for m, _, _ in SCENARIOS.values()}:
         tiny_checkpoint(model)  # build once, before two subprocesses would race for it
     with ThreadPoolExecutor(max_workers=2) as pool:  # two cores: two scenarios at a time
         out = dict(zip(SCENARIOS, pool.map(lambda n: _run(n, root), SCENARIOS)))
