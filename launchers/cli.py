@@ -10,7 +10,8 @@ Subcommands:
   code, stop what was started.
 - ``ray-node [--run-dir D ...] [-- DRIVER ...]``: what each srun task runs: join or create the Ray
   cluster of this Slurm allocation (node role from ``SLURM_NODEID``), and on the head run the driver.
-- ``plan --config X.yaml | --model M [--gpu h100-80g] [--nodes N --gpus-per-node G]``: memory plan.
+- ``plan --config X.yaml | --model M [--gpu h100-80g] [--nodes N --gpus-per-node G] [--measure]``: memory
+  plan; ``--measure`` runs the worst pipeline stage at real shapes on fake CUDA (``launchers.measure``).
 """
 
 from __future__ import annotations
@@ -175,17 +176,41 @@ def _add_plan(sub) -> None:
     p.add_argument("--pp", type=int, default=None, help="actor pipeline parallel")
     p.add_argument("--engine-tp", type=int, default=None, help="rollout engine tensor parallel")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--measure", action="store_true",
+                   help="measure the actor's peak memory on fake CUDA at real shapes (a minute per stage)")
+    p.add_argument("--stages", default="worst",
+                   help="with --measure: 'worst' (the formula's worst stage), 'all', or a stage number")
 
 
 def _run_plan(args) -> int:
-    from launchers.planner import format_plan, plan_from_config
+    from launchers.planner import format_plan, make_plan, plan_input_from_config
 
     cfg = _load_yaml(args.config) if args.config else {}
-    result = plan_from_config(cfg, model=args.model, gpu=args.gpu, nodes=args.nodes,
-                              gpus_per_node=args.gpus_per_node, tp=args.tp, pp=args.pp,
-                              engine_tp=args.engine_tp)
-    print(json.dumps(result.to_dict(), indent=2) if args.json else format_plan(result))
-    return 0 if result.fits else 1
+    try:
+        inputs = plan_input_from_config(cfg, model=args.model, gpu=args.gpu, nodes=args.nodes,
+                                        gpus_per_node=args.gpus_per_node, tp=args.tp, pp=args.pp,
+                                        engine_tp=args.engine_tp)
+        result = make_plan(inputs)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"plan: {exc}", file=sys.stderr)
+        return 2
+    measured = None
+    if args.measure:
+        from launchers.measure import as_dict, format_measured, measure
+
+        try:
+            measured = measure(cfg, inputs, result, stages=args.stages, model=args.model)
+        except (ValueError, RuntimeError) as exc:
+            print(f"plan --measure: {exc}", file=sys.stderr)
+            return 2
+    if args.json:
+        out = result.to_dict() | ({"measured": as_dict(measured)} if measured else {})
+        print(json.dumps(out, indent=2))
+    else:
+        print(format_plan(result))
+        if measured:
+            print(format_measured(measured))
+    return 0 if (measured["fits"] if measured else result.fits) else 1
 
 
 def build_parser() -> argparse.ArgumentParser:

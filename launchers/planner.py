@@ -12,25 +12,35 @@ Actor memory per GPU (bytes per parameter, Megatron's distributed-optimizer tabl
 ``docs/source/api-guide/dist_optimizer.md``: bf16 params + fp32 grads = 6 + 12/DP):
 - bf16 weights 2 B, fp32 gradient buffer 4 B (Megatron accumulates/reduces bf16 grads in fp32),
 - fp32 main params + Adam m + v = 12 B, divided by DP with the distributed optimizer.
+``megatron-arpo plan --measure`` (``launchers.measure``) measures all of this exactly.
 
-Activations per micro-batch adapt Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
-Transformer Models" (arXiv 2205.05198), section 4: their per-layer ``sbh(34 + 5as/h)`` counts every
-tensor the backward pass keeps. Here the same accounting is done for this architecture: RMSNorm, GQA,
-SwiGLU with ``intermediate_size`` f, no dropout (Qwen trains without it) and flash attention (no ``s^2``
-scores kept), in bf16 (2 B) for T tokens of a packed micro-batch:
-    per layer = 2 B * T * [ 4h / (t if SP else 1) + (2*q + 2*kv + 3f) / t ]
-with q = heads*head_dim, kv = kv_heads*head_dim (norm inputs/outputs 4h; q,k,v and the attention output;
-fc1's gate and up outputs and the SwiGLU output). Full recompute (uniform, 1 layer) keeps only each
-layer's input ``2 B * T * h / (t if SP else 1)`` plus one layer's full activations while it recomputes.
-With 1F1B pipelining the first stage holds PP micro-batches in flight (the paper's worst stage). The
-last stage also holds the logits: fp32 + bf16 copies of ``[T, vocab/t]`` (6 B per element).
+Activations are calibrated against that measurement (``megatron_arpo.actor.memory_probe``: one stage
+at real shapes on fake CUDA under torch's MemTracker; the calibration runs are in benchmarks/RESULTS.md).
+For T tokens of a packed micro-batch, bf16 (2 B), TP t, sequence-parallel factor s (t with SP, else 1),
+q = heads*head_dim, kv = kv_heads*head_dim, f = intermediate_size, one layer keeps for its backward:
+- TE spec (``actor.use_te`` auto/true: fused norms, fused SwiGLU, flash attention, THD packing):
+  ``2 B * T * [4h/s + (2q + 2kv + 3f)/t (+ (q + kv)/t with q/k norms)] + 8 B * T * head_dim`` (RoPE
+  tables of the THD path); the same with ``recompute: selective`` (flash attention keeps nothing the
+  core-attention recompute would drop); with ``recompute: full`` only the layer input ``2 B * T * h/s``.
+- local spec (``use_te: false``): torch's RMSNorm keeps five bf16-equivalents of its input and the
+  unfused SwiGLU three, so ``+ 2 B * T * [4 * (2h/s (+ (q + kv)/t)) + 2f/t]``, and without recompute the
+  attention scores: ``6 B * rows * s_row^2 * heads/t`` (bf16 scores + fp32 softmax, rows as wide as the
+  longest sequence).
+On top: the first stage keeps the embedding output (``2 B * T * h``) and every stage the RoPE table
+(``12 B * T * head_dim``); 1F1B keeps ``pp - stage`` micro-batches in flight; backward needs a
+transient of ``TRANSIENT[spec, recompute]`` one-layer (no-recompute) activations; the last stage's loss
+holds ``LOGITS_WORKSET`` (``LOGITS_WORKSET_ENTROPY`` when the loss needs the entropy) fp32 copies of
+its ``[T, vocab/t]`` logits. Without TE, torch's foreach Adam needs about one fp32 copy of the
+optimizer shard during the step.
 
 Rollout engines (vLLM) per GPU: bf16 weights / engine TP (norms replicated) plus the KV cache for
 ``concurrency`` sequences of ``max_model_len`` tokens: ``2 (K,V) * layers * ceil(kv_heads/tp) * head_dim *
-2 B`` per token. Colocated placement = the peak of the two phases (each phase releases the other's
-memory: vLLM sleep mode, actor offload). A phase fits when it stays under ``(1 - headroom)`` of the GPU
-after a fixed CUDA context/workspace overhead. Weight sync per step moves every HF tensor once per
-engine in bf16.
+2 B`` per token. vLLM claims ``rollout.gpu_memory_utilization`` of the GPU whatever it needs (its
+reservation), and the need must fit in it. Colocated placement holds the actor's peak *and* the
+engines' reservation on the same GPU, unless the actor offloads its state and vLLM sleeps between the
+phases (then the peak of the two phases, with the actor's bf16 weights staying for the sync). A phase
+fits when it stays under ``(1 - headroom)`` of the GPU after a fixed CUDA context/workspace overhead.
+Weight sync per step moves every HF tensor once per engine in bf16.
 """
 
 from __future__ import annotations
@@ -40,7 +50,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from megatron_arpo.model_config import ModelConfig, load_model_config
+from megatron_arpo.model_config import ModelConfig, layout_errors, load_model_config
 
 GiB = 1024 ** 3
 
@@ -89,18 +99,13 @@ def layer_tensor_shapes(cfg: ModelConfig, tp: int = 1) -> dict[str, tuple[int, .
     return shapes
 
 
-def check_parallelism(cfg: ModelConfig, tp: int, pp: int) -> None:
-    """Raise naming the constraint Megatron would reject (head/group/ffn/layer divisibility)."""
-    checks = [
-        (cfg.num_attention_heads % tp == 0, f"num_attention_heads {cfg.num_attention_heads} % TP {tp}"),
-        (cfg.num_key_value_heads % tp == 0, f"num_key_value_heads {cfg.num_key_value_heads} % TP {tp}"),
-        (cfg.intermediate_size % tp == 0, f"intermediate_size {cfg.intermediate_size} % TP {tp}"),
-        (cfg.num_hidden_layers % pp == 0, f"num_hidden_layers {cfg.num_hidden_layers} % PP {pp}"),
-    ]
-    bad = [what for ok, what in checks if not ok]
-    if tp < 1 or pp < 1 or bad:
-        raise ValueError(f"{cfg.name}: TP={tp} PP={pp} is not a valid Megatron layout ({'; '.join(bad)} != 0); "
-                         "pick TP dividing the head and KV-head counts and PP dividing the layer count")
+def check_parallelism(cfg: ModelConfig, tp: int, pp: int, sequence_parallel: bool = False) -> None:
+    """Raise naming the key Megatron would reject and the values it takes (heads/groups/ffn, layers, SP)."""
+    if tp < 1 or pp < 1:
+        raise ValueError(f"actor.tensor_parallel {tp} and actor.pipeline_parallel {pp} must be >= 1")
+    errors = layout_errors(cfg, tp, pp, sequence_parallel)
+    if errors:
+        raise ValueError("; ".join(errors))
 
 
 def rank_param_counts(cfg: ModelConfig, tp: int = 1, pp: int = 1, pp_rank: int = 0,
@@ -141,11 +146,54 @@ def kv_bytes_per_token(cfg: ModelConfig, engine_tp: int) -> int:
     return 2 * cfg.num_hidden_layers * kv_heads * cfg.head_dim * BF16
 
 
-def layer_activation_bytes(cfg: ModelConfig, tokens: int, tp: int, sequence_parallel: bool) -> int:
-    h, f = cfg.hidden_size, cfg.intermediate_size
-    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    sp = tp if sequence_parallel else 1
-    return int(BF16 * tokens * (4 * h / sp + (2 * q + 2 * kv + 3 * f) / tp))
+# Calibrated with `megatron-arpo plan --measure` (benchmarks/RESULTS.md, "planner calibration").
+TRANSIENT = {("te", "none"): 0.85, ("te", "selective"): 0.85, ("te", "full"): 2.1,
+             ("local", "none"): 0.62, ("local", "selective"): 1.39, ("local", "full"): 1.62}
+LOGITS_WORKSET, LOGITS_WORKSET_ENTROPY = 4.2, 6.2
+LOCAL_SCORE_BYTES = 6
+LAYER_SPECS = ("te", "local")
+
+
+def layer_activation_bytes(cfg: ModelConfig, tokens: int, tp: int, sequence_parallel: bool, *,
+                           recompute: str = "none", layer_spec: str = "te", seq_len: int | None = None) -> int:
+    """Bytes one layer keeps from its forward to its backward for ``tokens`` tokens (see the module doc)."""
+    h, f, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    s = tp if sequence_parallel else 1
+    if recompute == "full":
+        return int(BF16 * tokens * h / s)
+    qk = (q + kv) / tp if cfg.qk_layernorm else 0.0
+    elems = 4 * h / s + (2 * q + 2 * kv + 3 * f) / tp + qk
+    extra = 0.0
+    if layer_spec == "te":
+        extra = 8 * tokens * d  # the THD path's per-token RoPE tables of q and k (fp32)
+    else:
+        elems += 4 * (2 * h / s + qk) + 2 * f / tp
+        if recompute == "none":  # attention scores, per row of the packed micro-batch
+            row = min(seq_len or tokens, tokens)
+            extra = LOCAL_SCORE_BYTES * (tokens // row) * row * row * cfg.num_attention_heads / tp
+    return int(BF16 * tokens * elems + extra)
+
+
+def stage_activation_bytes(p: "PlanInput", pp_rank: int) -> dict[str, float]:
+    """Activation bytes of one stage at its peak: in-flight micro-batches, backward transient, logits."""
+    cfg, T = p.model, p.micro_batch_tokens
+    layers = cfg.num_hidden_layers // p.pp
+    kw = dict(layer_spec=p.layer_spec, seq_len=p.seq_len)
+    kept_layer = layer_activation_bytes(cfg, T, p.tp, p.sequence_parallel, recompute=p.recompute, **kw)
+    one_layer = layer_activation_bytes(cfg, T, p.tp, p.sequence_parallel, recompute="none", **kw)
+    fixed = 12 * T * cfg.head_dim + (BF16 * T * cfg.hidden_size if pp_rank == 0 else 0)
+    kept = layers * kept_layer + fixed
+    in_flight = p.pp - pp_rank  # 1F1B: stage k holds pp - k micro-batches at its peak
+    activations = in_flight * kept
+    transient = TRANSIENT[p.layer_spec, p.recompute] * one_layer
+    if pp_rank == p.pp - 1:  # the loss, still in the forward: fp32 copies of the [T, vocab/tp] logits
+        workset = LOGITS_WORKSET_ENTROPY if p.entropy else LOGITS_WORKSET
+        logits = workset * FP32 * T * p.model.padded_vocab_size(p.tp) / p.tp
+        activations += logits
+        transient = max(0.0, transient - logits)
+    return {"kept_per_micro_batch": kept, "in_flight": in_flight, "activations": activations,
+            "temporaries": transient}
 
 
 @dataclass
@@ -158,14 +206,19 @@ class PlanInput:
     pp: int = 1
     dp: int | None = None  # null = actor GPUs / (tp*pp)
     micro_batch_tokens: int = 16384
+    seq_len: int | None = None  # longest sequence (prompt + response); rows of the local spec's packing
     recompute: str = "none"  # none | selective | full
     sequence_parallel: bool = False
     distributed_optimizer: bool = True
+    layer_spec: str = "te"  # te (actor.use_te auto/true on GPUs) | local (use_te false)
+    entropy: bool = False  # the loss computes the entropy (AEPO entropy-aware advantages / balanced clip)
     engine_tp: int = 1
     num_engines: int | None = None  # null = GPUs / engine_tp
     max_model_len: int = 8192
     concurrency: int = 64  # sequences per engine (vLLM max_num_seqs)
+    gpu_memory_utilization: float = 0.6  # vLLM's reservation, a share of the whole GPU
     placement: str = "colocated"
+    sleep_offload: bool = False  # colocated phases release each other's memory (vLLM sleep + actor offload)
     headroom: float = 0.10
     overhead_gib: float = 2.0  # CUDA context, NCCL buffers, allocator slack
 
@@ -175,11 +228,14 @@ class Plan:
     inputs: dict
     world: int
     dp: int
+    total_params: int  # the HF model's parameters
     params_per_rank: dict  # stage -> count
-    actor_gib: dict  # breakdown of the worst stage
+    worst_stage: int
+    actor_gib: dict  # breakdown of the worst stage: params, grads, optimizer, activations, temporaries
     actor_peak_gib: float
-    rollout_gib: dict
-    rollout_peak_gib: float
+    rollout_gib: dict  # weights + KV cache the engine needs, and what vLLM reserves
+    rollout_peak_gib: float  # what the engine needs
+    rollout_reserved_gib: float
     colocated_peak_gib: float
     budget_gib: float
     fits_actor: bool
@@ -195,27 +251,42 @@ class Plan:
 
 def actor_memory(p: PlanInput, dp: int) -> tuple[dict, dict]:
     """Per-GPU actor bytes for every pipeline stage and the breakdown of the worst one."""
+    if p.layer_spec not in LAYER_SPECS:
+        raise ValueError(f"layer_spec {p.layer_spec!r}; allowed: {list(LAYER_SPECS)}")
     stages = {}
     for pp_rank in range(p.pp):
         n = rank_param_counts(p.model, p.tp, p.pp, pp_rank).total
-        weights = BF16 * n
-        grads = FP32 * n
-        optim = 3 * FP32 * n / (dp if p.distributed_optimizer else 1)
-        layers = p.model.num_hidden_layers // p.pp
-        full = layer_activation_bytes(p.model, p.micro_batch_tokens, p.tp, p.sequence_parallel)
-        if p.recompute == "full":
-            sp = p.tp if p.sequence_parallel else 1
-            per_mb = layers * BF16 * p.micro_batch_tokens * p.model.hidden_size / sp + full
-        else:
-            per_mb = layers * full
-        in_flight = p.pp - pp_rank  # 1F1B: stage k holds pp - k micro-batches at its peak
-        acts = per_mb * in_flight
-        if pp_rank == p.pp - 1:
-            acts += 6 * p.micro_batch_tokens * p.model.padded_vocab_size(p.tp) / p.tp
-        stages[pp_rank] = {"params": n, "weights": weights, "grads": grads, "optimizer": optim,
-                           "activations": acts, "total": weights + grads + optim + acts}
-    worst = max(stages.values(), key=lambda s: s["total"])
-    return stages, worst
+        acts = stage_activation_bytes(p, pp_rank)
+        row = {"params": BF16 * n, "grads": FP32 * n,
+               "optimizer": 3 * FP32 * n / (dp if p.distributed_optimizer else 1),
+               "activations": acts["activations"], "temporaries": acts["temporaries"]}
+        if p.layer_spec == "local":  # torch foreach Adam: about one fp32 copy of the shard during the step
+            step = row["params"] + row["grads"] + row["optimizer"] + FP32 * n / (dp if p.distributed_optimizer else 1)
+            row["temporaries"] = max(row["temporaries"], step - row["params"] - row["grads"] - row["optimizer"]
+                                     - row["activations"])
+        row["total"] = sum(row.values())
+        stages[pp_rank] = {"num_params": n, **row}
+    worst = max(stages, key=lambda k: stages[k]["total"])
+    return stages, {"stage": worst, **stages[worst]}
+
+
+def budget_gib(p: PlanInput) -> float:
+    return GPU_MEMORY_GIB[p.gpu] * (1 - p.headroom) - p.overhead_gib
+
+
+def rollout_memory(p: PlanInput) -> dict[str, float]:
+    weights = engine_weight_bytes(p.model, p.engine_tp) / GiB
+    kv = kv_bytes_per_token(p.model, p.engine_tp) * p.max_model_len * p.concurrency / GiB
+    return {"weights": weights, "kv_cache": kv, "total": weights + kv,
+            "reserved": p.gpu_memory_utilization * GPU_MEMORY_GIB[p.gpu]}
+
+
+def colocated_peak(p: PlanInput, actor: dict, rollout: dict) -> float:
+    """Actor peak + vLLM's reservation; with sleep + offload, the larger phase (the actor's weights stay)."""
+    actor_gib = actor["total"] / GiB
+    if p.sleep_offload:
+        return max(actor_gib, rollout["reserved"] + actor["params"] / GiB)
+    return actor_gib + rollout["reserved"]
 
 
 def make_plan(p: PlanInput, suggest: bool = True) -> Plan:
@@ -223,33 +294,33 @@ def make_plan(p: PlanInput, suggest: bool = True) -> Plan:
         raise ValueError(f"unknown gpu {p.gpu!r}; allowed: {sorted(GPU_MEMORY_GIB)}")
     if p.recompute not in ("none", "selective", "full"):
         raise ValueError(f"actor.recompute {p.recompute!r}; allowed: ['full', 'none', 'selective']")
-    check_parallelism(p.model, p.tp, p.pp)
+    check_parallelism(p.model, p.tp, p.pp, p.sequence_parallel)
     if p.model.num_attention_heads % p.engine_tp:
-        raise ValueError(f"rollout.tensor_parallel {p.engine_tp} must divide num_attention_heads "
-                         f"{p.model.num_attention_heads}")
+        raise ValueError(f"rollout.tensor_parallel: {p.engine_tp} does not divide {p.model.name} num_attention_heads "
+                         f"{p.model.num_attention_heads}; valid values: "
+                         f"{[t for t in (1, 2, 4, 8, 16) if p.model.num_attention_heads % t == 0]}")
     world = p.nodes * p.gpus_per_node
     dp = p.dp or max(1, world // (p.tp * p.pp))
     if p.dp is None and world % (p.tp * p.pp):
         raise ValueError(f"{world} GPUs ({p.nodes} nodes x {p.gpus_per_node}) are not a multiple of "
                          f"TP*PP = {p.tp * p.pp}; change launcher.nodes/gpus_per_node or actor TP/PP")
     stages, worst = actor_memory(p, dp)
-    w_engine = engine_weight_bytes(p.model, p.engine_tp)
-    kv = kv_bytes_per_token(p.model, p.engine_tp) * p.max_model_len * p.concurrency
-    rollout = {"weights": w_engine, "kv_cache": kv, "total": w_engine + kv}
-    budget = GPU_MEMORY_GIB[p.gpu] * (1 - p.headroom) - p.overhead_gib
-    actor_gib = {k: (v / GiB if k != "params" else v) for k, v in worst.items()}
+    rollout = rollout_memory(p)
+    budget = budget_gib(p)
     actor_peak = worst["total"] / GiB
-    rollout_peak = rollout["total"] / GiB
-    colocated = max(actor_peak, rollout_peak)
+    colocated = colocated_peak(p, worst, rollout)
     num_engines = p.num_engines or max(1, world // p.engine_tp)
     sync = hf_param_count(p.model) * BF16 / GiB
+    fits_actor = actor_peak <= budget
+    fits_rollout = rollout["total"] <= rollout["reserved"] <= budget + p.overhead_gib
+    fits = fits_rollout and (colocated <= budget if p.placement == "colocated" else fits_actor)
     plan = Plan(inputs={k: v for k, v in dataclasses.asdict(p).items() if k != "model"} | {"model": p.model.name},
-                world=world, dp=dp, params_per_rank={k: s["params"] for k, s in stages.items()},
-                actor_gib=actor_gib, actor_peak_gib=actor_peak,
-                rollout_gib={k: v / GiB for k, v in rollout.items()}, rollout_peak_gib=rollout_peak,
-                colocated_peak_gib=colocated, budget_gib=budget, fits_actor=actor_peak <= budget,
-                fits_rollout=rollout_peak <= budget, fits=colocated <= budget if p.placement == "colocated"
-                else actor_peak <= budget and rollout_peak <= budget,
+                world=world, dp=dp, total_params=hf_param_count(p.model),
+                params_per_rank={k: s["num_params"] for k, s in stages.items()}, worst_stage=worst["stage"],
+                actor_gib={k: worst[k] / GiB for k in ("params", "grads", "optimizer", "activations", "temporaries")},
+                actor_peak_gib=actor_peak, rollout_gib=rollout, rollout_peak_gib=rollout["total"],
+                rollout_reserved_gib=rollout["reserved"], colocated_peak_gib=colocated, budget_gib=budget,
+                fits_actor=fits_actor, fits_rollout=fits_rollout, fits=fits,
                 weight_sync_gib_per_engine=sync, weight_sync_gib_total=sync * num_engines)
     if suggest:
         plan.suggestions = suggest_layouts(p)
@@ -260,6 +331,15 @@ def suggest_layouts(p: PlanInput, limit: int = 5) -> list[dict]:
     """Smallest model-parallel layouts (actor TP x PP, then engine TP) that fit on this many GPUs."""
     world = p.nodes * p.gpus_per_node
     tps = [t for t in (1, 2, 4, 8) if t <= p.gpus_per_node]
+    budget = budget_gib(p)
+    engines = []
+    for etp in tps:
+        if p.model.num_attention_heads % etp:
+            continue
+        q = dataclasses.replace(p, engine_tp=etp)
+        need = rollout_memory(q)["total"]
+        if need <= budget:
+            engines.append((etp, need))
     actor = []
     recomputes = [p.recompute] + (["full"] if p.recompute != "full" else [])
     for rank_order, recompute in enumerate(recomputes):
@@ -268,84 +348,105 @@ def suggest_layouts(p: PlanInput, limit: int = 5) -> list[dict]:
                 if tp * pp > world or world % (tp * pp):
                     continue
                 try:
-                    check_parallelism(p.model, tp, pp)
+                    check_parallelism(p.model, tp, pp, p.sequence_parallel and tp > 1)
                 except ValueError:
                     continue
-                q = dataclasses.replace(p, tp=tp, pp=pp, dp=None, recompute=recompute)
+                q = dataclasses.replace(p, tp=tp, pp=pp, dp=None, recompute=recompute,
+                                        sequence_parallel=p.sequence_parallel and tp > 1)
                 _, worst = actor_memory(q, world // (tp * pp))
-                if worst["total"] / GiB <= GPU_MEMORY_GIB[p.gpu] * (1 - p.headroom) - p.overhead_gib:
-                    actor.append((rank_order, tp * pp, tp, pp, recompute, worst["total"] / GiB))
-    engines = []
-    for etp in tps:
-        if p.model.num_attention_heads % etp:
-            continue
-        total = (engine_weight_bytes(p.model, etp) + kv_bytes_per_token(p.model, etp) * p.max_model_len
-                 * p.concurrency) / GiB
-        if total <= GPU_MEMORY_GIB[p.gpu] * (1 - p.headroom) - p.overhead_gib:
-            engines.append((etp, total))
+                gib = worst["total"] / GiB
+                # colocated: the engine's reservation must fit beside the actor's peak
+                room = budget - gib if p.placement == "colocated" and not p.sleep_offload else budget
+                fitting = [(etp, need) for etp, need in engines if need <= room]
+                if gib <= budget and fitting:
+                    actor.append((rank_order, tp * pp, tp, pp, recompute, gib, fitting[0]))
     out = []
-    for _, _, tp, pp, recompute, gib in sorted(actor)[:limit]:
+    for _, _, tp, pp, recompute, gib, (etp, need) in sorted(actor, key=lambda a: a[:5])[:limit]:
+        util = need / GPU_MEMORY_GIB[p.gpu]
         out.append({"actor_tp": tp, "actor_pp": pp, "recompute": recompute, "actor_gib": round(gib, 1),
-                    "engine_tp": engines[0][0] if engines else None,
-                    "engine_gib": round(engines[0][1], 1) if engines else None})
+                    "engine_tp": etp, "engine_gib": round(need, 1),
+                    "gpu_memory_utilization": math.ceil(util * 100) / 100})
     return out
 
 
-def plan_from_config(cfg: Mapping[str, Any] | Any, model: str | None = None, gpu: str = "h100-80g",
-                     nodes: int | None = None, gpus_per_node: int | None = None, tp: int | None = None,
-                     pp: int | None = None, engine_tp: int | None = None) -> Plan:
-    """A plan from an experiment config (raw YAML mapping or ``ExperimentConfig``) plus CLI overrides."""
+def _entropy_in_loss(algorithm: Mapping[str, Any]) -> bool:
+    return bool(algorithm.get("entropy_aware_advantage") or algorithm.get("entropy_balanced_clip"))
+
+
+def plan_input_from_config(cfg: Mapping[str, Any] | Any, model: str | None = None, gpu: str = "h100-80g",
+                           nodes: int | None = None, gpus_per_node: int | None = None, tp: int | None = None,
+                           pp: int | None = None, engine_tp: int | None = None) -> PlanInput:
+    """The planner's inputs from an experiment config (raw YAML mapping or ``ExperimentConfig``) + overrides."""
     if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
         cfg = dataclasses.asdict(cfg)
     cfg = dict(cfg or {})
-    sec = {k: dict(cfg.get(k) or {}) for k in ("model", "actor", "rollout", "data", "trainer", "launcher")}
+    sec = {k: dict(cfg.get(k) or {}) for k in ("model", "actor", "rollout", "data", "trainer", "launcher",
+                                                "algorithm")}
     model_name = model or sec["model"].get("config")
     if not model_name:
         raise ValueError("plan: give --model NAME or a --config whose model.config names a model")
     mcfg = load_model_config(model_name)
     actor, rollout, launcher = sec["actor"], sec["rollout"], sec["launcher"]
-    max_len = rollout.get("max_model_len") or (sec["data"].get("max_prompt_tokens", 1536)
-                                               + rollout.get("response_length", 4096))
-    inp = PlanInput(
+    seq_len = sec["data"].get("max_prompt_tokens", 1536) + rollout.get("response_length", 4096)
+    max_len = rollout.get("max_model_len") or seq_len
+    use_te = str(actor.get("use_te", "auto")).lower()
+    return PlanInput(
         model=mcfg, gpu=gpu, nodes=nodes or launcher.get("nodes", 1),
         gpus_per_node=gpus_per_node or launcher.get("gpus_per_node", 8) or 8,
         tp=tp or actor.get("tensor_parallel") or mcfg.defaults.actor_tensor_parallel,
         pp=pp or actor.get("pipeline_parallel") or mcfg.defaults.actor_pipeline_parallel,
         dp=actor.get("data_parallel"), micro_batch_tokens=actor.get("micro_batch_tokens", 16384),
-        recompute=actor.get("recompute", "none"), sequence_parallel=actor.get("sequence_parallel", False),
+        seq_len=seq_len, recompute=actor.get("recompute", "none"),
+        sequence_parallel=actor.get("sequence_parallel", False),
         distributed_optimizer=actor.get("use_distributed_optimizer", True),
+        layer_spec="local" if use_te == "false" else "te", entropy=_entropy_in_loss(sec["algorithm"]),
         engine_tp=engine_tp or rollout.get("tensor_parallel") or mcfg.defaults.rollout_tensor_parallel,
         num_engines=rollout.get("num_engines"), max_model_len=max_len,
         concurrency=rollout.get("max_num_seqs") or 64,
-        placement=sec["trainer"].get("placement", "colocated"))
-    return make_plan(inp)
+        gpu_memory_utilization=rollout.get("gpu_memory_utilization", 0.6),
+        placement=sec["trainer"].get("placement", "colocated"),
+        # Colocated phases that release each other's memory need both switches (see the module doc).
+        sleep_offload=bool(rollout.get("enable_sleep_mode") and actor.get("offload")))
+
+
+def plan_from_config(cfg: Mapping[str, Any] | Any, **overrides) -> Plan:
+    """A plan from an experiment config plus CLI overrides (see :func:`plan_input_from_config`)."""
+    return make_plan(plan_input_from_config(cfg, **overrides))
 
 
 def format_plan(plan: Plan) -> str:
     i = plan.inputs
     ok = {True: "fits", False: "DOES NOT FIT"}
     a, r = plan.actor_gib, plan.rollout_gib
+    if i["placement"] == "colocated":
+        mode = "phases swap (vLLM sleep + actor offload)" if i["sleep_offload"] else \
+            "actor peak + vLLM reservation on every GPU"
+        phase = f"colocated ({mode}): {plan.colocated_peak_gib:.1f} GiB -> {ok[plan.fits]}"
+    else:
+        phase = f"separate: actor {plan.actor_peak_gib:.1f} GiB, rollout {plan.rollout_reserved_gib:.1f} GiB -> {ok[plan.fits]}"
     lines = [
-        f"model {i['model']} on {i['nodes']} x {i['gpus_per_node']} {i['gpu']} "
+        f"model {i['model']} ({plan.total_params:,} parameters) on {i['nodes']} x {i['gpus_per_node']} {i['gpu']} "
         f"(budget {plan.budget_gib:.1f} GiB/GPU after {i['headroom']:.0%} headroom and {i['overhead_gib']} GiB overhead)",
         f"actor: TP={i['tp']} PP={i['pp']} DP={plan.dp}, distributed optimizer {i['distributed_optimizer']}, "
-        f"recompute {i['recompute']}, {i['micro_batch_tokens']} tokens/micro-batch",
-        f"  params per GPU by stage: " + ", ".join(f"pp{k}={v:,}" for k, v in plan.params_per_rank.items()),
-        f"  worst stage: weights {a['weights']:.1f} + grads {a['grads']:.1f} + optimizer {a['optimizer']:.1f} "
-        f"+ activations {a['activations']:.1f} = {plan.actor_peak_gib:.1f} GiB -> {ok[plan.fits_actor]}",
+        f"recompute {i['recompute']}, SP {i['sequence_parallel']}, {i['layer_spec']} layer spec, "
+        f"{i['micro_batch_tokens']} tokens/micro-batch",
+        "  params per GPU by stage: " + ", ".join(f"pp{k}={v:,}" for k, v in plan.params_per_rank.items()),
+        f"  worst stage pp{plan.worst_stage}: params {a['params']:.1f} + grads {a['grads']:.1f} + optimizer "
+        f"{a['optimizer']:.1f} + activations {a['activations']:.1f} + temporaries {a['temporaries']:.1f} = "
+        f"{plan.actor_peak_gib:.1f} GiB -> {ok[plan.fits_actor]}",
         f"rollout: engine TP={i['engine_tp']}, {i['concurrency']} seqs x {i['max_model_len']} tokens: weights "
-        f"{r['weights']:.1f} + KV cache {r['kv_cache']:.1f} = {plan.rollout_peak_gib:.1f} GiB -> "
+        f"{r['weights']:.1f} + KV cache {r['kv_cache']:.1f} = {plan.rollout_peak_gib:.1f} GiB in vLLM's "
+        f"{plan.rollout_reserved_gib:.1f} GiB (gpu_memory_utilization {i['gpu_memory_utilization']}) -> "
         f"{ok[plan.fits_rollout]}",
-        f"{i['placement']}: peak {plan.colocated_peak_gib if i['placement'] == 'colocated' else max(plan.actor_peak_gib, plan.rollout_peak_gib):.1f} GiB "
-        f"-> {ok[plan.fits]}",
+        phase,
         f"weight sync per step: {plan.weight_sync_gib_per_engine:.1f} GiB per engine, "
         f"{plan.weight_sync_gib_total:.1f} GiB to all engines",
     ]
     if plan.suggestions:
-        lines.append("layouts that fit (actor TP x PP, engine TP):")
+        lines.append("layouts that fit (actor TP x PP, engine TP, rollout.gpu_memory_utilization):")
         lines += [f"  TP={s['actor_tp']} PP={s['actor_pp']} recompute={s['recompute']} ({s['actor_gib']} GiB), "
-                  f"engine TP={s['engine_tp']} "
-                  f"({s['engine_gib']} GiB)" for s in plan.suggestions]
+                  f"engine TP={s['engine_tp']} ({s['engine_gib']} GiB, utilization >= {s['gpu_memory_utilization']})"
+                  for s in plan.suggestions]
     else:
         lines.append("no layout fits on this many GPUs: add nodes, enable recompute or lower micro_batch_tokens")
     return "\n".join(lines)

@@ -1,14 +1,17 @@
 """The planner's parameter and memory arithmetic, checked against independent per-tensor enumerations
-and against the real Megatron model built on the meta device (conversion.plan)."""
+and against the real Megatron model built on the meta device (conversion.plan); its activation formula
+against the measurement lives in tests/fakecuda/test_plan_measure.py and benchmarks/planner.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 
-from launchers.planner import (GPU_MEMORY_GIB, GiB, PlanInput, engine_weight_bytes, hf_param_count,
-                               kv_bytes_per_token, make_plan, plan_from_config, rank_param_counts)
+from launchers.planner import (GPU_MEMORY_GIB, LOGITS_WORKSET, GiB, PlanInput, engine_weight_bytes, format_plan,
+                               hf_param_count, kv_bytes_per_token, layer_activation_bytes, make_plan, plan_from_config,
+                               rank_param_counts, stage_activation_bytes)
 from megatron_arpo.model_config import load_model_config
 
 
@@ -74,13 +77,36 @@ def test_actor_bytes_per_parameter_follow_the_distributed_optimizer_table():
         p = PlanInput(model=cfg, nodes=4, gpus_per_node=8, tp=8, pp=1 if dp == 4 else 4, dp=dp,
                       recompute="full", micro_batch_tokens=1)
         plan = make_plan(p, suggest=False)
-        n = plan.params_per_rank[0]
+        n = plan.params_per_rank[plan.worst_stage]
         # bf16 params + fp32 grads + (fp32 main params + Adam m, v) / DP = 6 + 12/DP bytes per parameter.
-        state = (plan.actor_gib["weights"] + plan.actor_gib["grads"] + plan.actor_gib["optimizer"]) * GiB
+        state = (plan.actor_gib["params"] + plan.actor_gib["grads"] + plan.actor_gib["optimizer"]) * GiB
         assert state == pytest.approx(n * (6 + 12 / dp), rel=1e-12)
     plain = make_plan(PlanInput(model=cfg, nodes=4, gpus_per_node=8, tp=8, pp=4, dp=1, micro_batch_tokens=1,
                                 distributed_optimizer=False), suggest=False)
-    assert plain.actor_gib["optimizer"] * GiB == pytest.approx(12 * plain.params_per_rank[0], rel=1e-12)
+    assert plain.actor_gib["optimizer"] * GiB == pytest.approx(12 * plain.params_per_rank[plain.worst_stage],
+                                                               rel=1e-12)
+
+
+def test_layer_activations_count_the_tensors_each_layer_keeps():
+    """The per-layer formula, written out tensor by tensor for QwQ-32B at TP 8 with SP (TE spec)."""
+    cfg = load_model_config("qwq-32b")
+    T, h, q, kv, f, d = 20480, 5120, 40 * 128, 8 * 128, 27648, 128
+    kept = {  # bf16 elements per token
+        "norm outputs into qkv and fc1": 2 * h / 8, "attention output projection": h / 8, "fc2 output": h / 8,
+        "qkv": (q + 2 * kv) / 8, "attention output": q / 8, "fc1 (gate, up)": 2 * f / 8, "SwiGLU output": f / 8}
+    expected = 2 * T * sum(kept.values()) + 8 * T * d  # + fp32 RoPE tables of q and k (THD path)
+    assert layer_activation_bytes(cfg, T, 8, True) == pytest.approx(expected, rel=1e-9)
+    assert layer_activation_bytes(cfg, T, 8, True, recompute="selective") == layer_activation_bytes(cfg, T, 8, True)
+    assert layer_activation_bytes(cfg, T, 8, True, recompute="full") == 2 * T * h // 8  # the layer input only
+    qwen3 = load_model_config("qwen3-32b")  # q/k norms keep their outputs too
+    plain = dataclasses.replace(qwen3, qk_layernorm=False)
+    extra = layer_activation_bytes(qwen3, T, 8, True) - layer_activation_bytes(plain, T, 8, True)
+    assert extra == pytest.approx(2 * T * (64 * 128 + 8 * 128) / 8, rel=1e-9)
+    # The local spec keeps more per token, and s x s attention scores without recompute.
+    local = layer_activation_bytes(cfg, 4096, 8, True, layer_spec="local", seq_len=4096, recompute="selective")
+    scores = layer_activation_bytes(cfg, 4096, 8, True, layer_spec="local", seq_len=4096) - local
+    assert scores == 6 * 4096 * 4096 * 40 // 8
+    assert local > layer_activation_bytes(cfg, 4096, 8, True)
 
 
 def test_recompute_and_sequence_parallel_shrink_activations():
@@ -90,6 +116,19 @@ def test_recompute_and_sequence_parallel_shrink_activations():
     full = make_plan(PlanInput(**base, recompute="full"), suggest=False).actor_gib["activations"]
     sp = make_plan(PlanInput(**base, sequence_parallel=True), suggest=False).actor_gib["activations"]
     assert full < sp < none
+
+
+def test_first_stage_holds_pipeline_depth_micro_batches_and_last_stage_the_logits():
+    cfg = load_model_config("qwq-32b")
+    p = PlanInput(model=cfg, nodes=4, gpus_per_node=8, tp=8, pp=4, micro_batch_tokens=8192, recompute="full",
+                  sequence_parallel=True)
+    first, last = stage_activation_bytes(p, 0), stage_activation_bytes(p, 3)
+    assert (first["in_flight"], last["in_flight"]) == (4, 1)
+    assert first["activations"] == 4 * first["kept_per_micro_batch"]
+    logits = LOGITS_WORKSET * 4 * 8192 * cfg.padded_vocab_size(8) / 8
+    assert last["activations"] == pytest.approx(last["kept_per_micro_batch"] + logits)
+    entropy = stage_activation_bytes(dataclasses.replace(p, entropy=True), 3)
+    assert entropy["activations"] > last["activations"]  # the entropy needs more fp32 copies of the logits
 
 
 def test_kv_cache_and_engine_weights():
@@ -103,17 +142,39 @@ def test_kv_cache_and_engine_weights():
     assert engine_weight_bytes(cfg, 4) == pytest.approx(2 * ((hf_param_count(cfg) - norms) / 4 + norms), abs=2)
 
 
+def test_colocated_sums_actor_and_vllm_reservation_unless_sleep_and_offload():
+    cfg = load_model_config("qwq-32b")
+    p = PlanInput(model=cfg, nodes=4, gpus_per_node=8, tp=8, pp=2, micro_batch_tokens=20480, recompute="full",
+                  sequence_parallel=True, engine_tp=4, max_model_len=10192, concurrency=64,
+                  gpu_memory_utilization=0.75)
+    plan = make_plan(p, suggest=False)
+    reserved = 0.75 * GPU_MEMORY_GIB["h100-80g"]
+    assert plan.rollout_reserved_gib == pytest.approx(reserved)
+    assert plan.colocated_peak_gib == pytest.approx(plan.actor_peak_gib + reserved)
+    assert plan.fits_actor and plan.fits_rollout and not plan.fits  # each alone fits, together they do not
+    assert "actor peak + vLLM reservation on every GPU" in format_plan(plan)
+    swapped = make_plan(dataclasses.replace(p, sleep_offload=True), suggest=False)
+    assert swapped.colocated_peak_gib == pytest.approx(reserved + swapped.actor_gib["params"])
+    assert swapped.fits
+    separate = make_plan(dataclasses.replace(p, placement="separate"), suggest=False)
+    assert separate.fits
+    # A reservation smaller than what the engine needs does not fit, whatever the placement.
+    starved = make_plan(dataclasses.replace(p, gpu_memory_utilization=0.3, placement="separate"), suggest=False)
+    assert not starved.fits_rollout and not starved.fits
+
+
 def test_fit_decisions_and_suggestions_for_the_32b_recipes():
     cfg = load_model_config("qwq-32b")
     tight = make_plan(PlanInput(model=cfg, nodes=4, gpus_per_node=8, tp=8, pp=4, micro_batch_tokens=16384,
-                                engine_tp=4, max_model_len=5632, concurrency=64))
+                                engine_tp=4, max_model_len=5632, concurrency=64, gpu_memory_utilization=0.5))
     assert not tight.fits_actor and tight.fits_rollout and not tight.fits
     assert tight.suggestions and all(s["recompute"] == "full" for s in tight.suggestions)
     for s in tight.suggestions:
         again = make_plan(PlanInput(model=cfg, nodes=4, gpus_per_node=8, tp=s["actor_tp"], pp=s["actor_pp"],
                                     recompute="full", micro_batch_tokens=16384, engine_tp=s["engine_tp"],
-                                    max_model_len=5632, concurrency=64), suggest=False)
-        assert again.fits
+                                    max_model_len=5632, concurrency=64,
+                                    gpu_memory_utilization=s["gpu_memory_utilization"]), suggest=False)
+        assert again.fits, s
     roomy = make_plan(PlanInput(model=cfg, gpu="h200-141g", nodes=4, gpus_per_node=8, tp=8, pp=4,
                                 recompute="full", engine_tp=4), suggest=False)
     assert roomy.fits and roomy.budget_gib == pytest.approx(GPU_MEMORY_GIB["h200-141g"] * 0.9 - 2.0)
@@ -124,15 +185,35 @@ def test_fit_decisions_and_suggestions_for_the_32b_recipes():
 
 def test_plan_from_config_reads_sections_and_rejects_bad_layouts():
     raw = {"model": {"config": "qwen3-32b"}, "actor": {"tensor_parallel": 8, "pipeline_parallel": 4,
-                                                       "recompute": "full"},
-           "rollout": {"tensor_parallel": 4, "max_num_seqs": 32, "response_length": 4096},
+                                                       "recompute": "full", "use_te": "false"},
+           "rollout": {"tensor_parallel": 4, "max_num_seqs": 32, "response_length": 4096,
+                       "gpu_memory_utilization": 0.55},
+           "algorithm": {"entropy_aware_advantage": True},
            "data": {"max_prompt_tokens": 1536}, "launcher": {"nodes": 4, "gpus_per_node": 8}}
     plan = plan_from_config(raw)
-    assert (plan.inputs["tp"], plan.inputs["pp"], plan.dp, plan.inputs["max_model_len"]) == (8, 4, 1, 5632)
-    with pytest.raises(ValueError, match="num_key_value_heads 8 % TP 16"):
+    i = plan.inputs
+    assert (i["tp"], i["pp"], plan.dp, i["max_model_len"], i["seq_len"]) == (8, 4, 1, 5632, 5632)
+    assert (i["gpu_memory_utilization"], i["layer_spec"], i["entropy"], i["concurrency"]) == (0.55, "local", True, 32)
+    assert plan.total_params == 32_762_123_264
+    assert format_plan(plan).startswith("model qwen3-32b (32,762,123,264 parameters)")
+    with pytest.raises(ValueError, match=r"actor.tensor_parallel: 16 does not divide qwen3-32b num_key_value_heads 8; "
+                                         r"valid values: \[1, 2, 4, 8\]"):
         plan_from_config(raw, tp=16)
+    with pytest.raises(ValueError, match=r"actor.pipeline_parallel: 3 does not divide qwen3-32b num_hidden_layers 64"):
+        plan_from_config(raw, pp=3)
+    with pytest.raises(ValueError, match=r"actor.sequence_parallel: true needs actor.tensor_parallel > 1"):
+        plan_from_config({**raw, "actor": {**raw["actor"], "sequence_parallel": True}}, tp=1)
     with pytest.raises(ValueError, match="unknown gpu 'v100'"):
         plan_from_config(raw, gpu="v100")
+
+
+def test_plan_cli_names_the_bad_key_and_exits_2(capsys):
+    from launchers.cli import plan_main
+
+    assert plan_main(["--model", "qwq-32b", "--tp", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "actor.tensor_parallel: 3 does not divide qwq-32b num_attention_heads 40; valid values: [1, 2, 4, 8]" in err
+    assert "Traceback" not in err
 
 
 @pytest.mark.parametrize("name", ["qwen3-32b", "qwq-32b"])

@@ -56,8 +56,9 @@ def plan_output(recipe: str, gpu: str = "h100-80g") -> tuple[int, str]:
 
 def reference_table() -> str:
     """Planner results for the recipes' layouts on every GPU type (markdown)."""
-    rows = ["| recipe | model | GPU | actor TP x PP x DP, recompute | actor GiB | rollout (engine TP, seqs x len) GiB "
-            "| budget GiB | colocated peak GiB | verdict |", "|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| recipe | model | GPU | actor TP x PP x DP, recompute | actor GiB (worst stage) | rollout need / vLLM "
+            "reservation GiB (engine TP, seqs x len) | budget GiB | colocated GiB | verdict |",
+            "|---|---|---|---|---|---|---|---|---|"]
     for recipe in RECIPES:
         raw = yaml.safe_load((ROOT / recipe).read_text())
         for gpu in GPUS:
@@ -65,9 +66,9 @@ def reference_table() -> str:
             i = p.inputs
             rows.append(
                 f"| `{recipe}` | {i['model']} | {gpu} | {i['tp']} x {i['pp']} x {p.dp}, {i['recompute']} "
-                f"| {p.actor_peak_gib:.1f} | {p.rollout_peak_gib:.1f} (TP {i['engine_tp']}, {i['concurrency']} x "
-                f"{i['max_model_len']}) | {p.budget_gib:.1f} | {p.colocated_peak_gib:.1f} "
-                f"| {'fits' if p.fits else 'DOES NOT FIT'} |")
+                f"| {p.actor_peak_gib:.1f} (pp{p.worst_stage}) | {p.rollout_peak_gib:.1f} / {p.rollout_reserved_gib:.1f} "
+                f"(TP {i['engine_tp']}, {i['concurrency']} x {i['max_model_len']}) | {p.budget_gib:.1f} "
+                f"| {p.colocated_peak_gib:.1f} | {'fits' if p.fits else 'DOES NOT FIT'} |")
     return "\n".join(rows) + "\n"
 
 
