@@ -83,6 +83,9 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from megatron_arpo.testing.fake_gaps import install_host_io, install_megatron_gaps, install_module_moves
+from megatron_arpo.testing.fake_reads import DataReadMode, HostFunctionMode, _tensors_in
+
 logger = logging.getLogger(__name__)
 
 GUARD_SOURCE = Path(__file__).with_name("fake_cuda_guard.cpp")
@@ -255,203 +258,6 @@ def _install_cuda_stubs(patches: _Patches, device: _DeviceState, num_devices: in
         patches.set(cuda.random, name, stubs[name])
 
 
-# ---------------------------------------------------------------------------------- data-read mode
-def _is_fake(x) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return isinstance(x, FakeTensor)
-
-
-def _tensors_in(args, kwargs) -> list[torch.Tensor]:
-    from torch.utils._pytree import tree_flatten
-
-    flat, _ = tree_flatten((args, kwargs))
-    return [x for x in flat if isinstance(x, torch.Tensor)]
-
-
-def _mentions_cuda(args, kwargs) -> bool:
-    from torch.utils._pytree import tree_flatten
-
-    flat, _ = tree_flatten((args, kwargs))
-    for x in flat:
-        if isinstance(x, torch.device) and x.type == "cuda":
-            return True
-        if isinstance(x, str) and x.startswith("cuda"):
-            return True
-    return False
-
-
-class _HostFunctionMode(torch.overrides.TorchFunctionMode):
-    """Host-side semantics at the torch-function level (the calling thread): ``"cuda"`` means the current
-    device; ``.numpy()`` of a cuda tensor raises as on a GPU; operations whose tensor inputs are all real
-    host tensors run for real, outside fake mode."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        device = kwargs.get("device")
-        if device is not None and not isinstance(device, int) and torch.device(device).type == "cuda" \
-                and torch.device(device).index is None:
-            # torch.tensor(..., device="cuda") under fake mode would otherwise ignore the current device
-            kwargs = dict(kwargs, device=torch.device("cuda", torch.cuda.current_device()))
-        if func is torch.Tensor.numpy:
-            t = args[0]
-            if t.device.type != "cpu":  # torch's own message on a GPU machine
-                raise TypeError(f"can't convert {t.device} device type tensor to numpy. Use Tensor.cpu() to "
-                                f"copy the tensor to host memory first.")
-            if _is_fake(t):
-                known = _known_value(t)
-                from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-                with unset_fake_temporarily():
-                    host = known if known is not None else torch.zeros(t.shape, dtype=t.dtype)
-                    return host.numpy()
-            return func(*args, **kwargs)
-        tensors = _tensors_in(args, kwargs)
-        if tensors and not any(_is_fake(t) for t in tensors) and not _mentions_cuda(args, kwargs) \
-                and func is not torch.Tensor.cuda and all(t.device.type == "cpu" for t in tensors):
-            from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-            with unset_fake_temporarily():
-                return func(*args, **kwargs)
-        result = func(*args, **kwargs)
-        if _is_fake(result) and result.dtype == torch.bool and getattr(result, _TRUTH, None) is None:
-            # isfinite & co. decompose before the dispatch level sees them: tag their answer here
-            truth = _function_truth(func, args)
-            if truth is not None:
-                setattr(result, _TRUTH, truth)
-        return result
-
-
-_HEALTHY = {torch.isfinite: True, torch.Tensor.isfinite: True, torch.isnan: False, torch.Tensor.isnan: False,
-            torch.isinf: False, torch.Tensor.isinf: False}
-_PROPAGATE = {torch.all, torch.Tensor.all, torch.any, torch.Tensor.any}
-_NEGATE = {torch.logical_not, torch.Tensor.logical_not, torch.Tensor.__invert__}
-_COMBINE = {torch.Tensor.__and__: all, torch.logical_and: all, torch.Tensor.__or__: any, torch.logical_or: any}
-
-
-def _function_truth(func, args):
-    if func in _HEALTHY:
-        return _HEALTHY[func]
-    truths = [getattr(a, _TRUTH, None) for a in args if isinstance(a, torch.Tensor)]
-    if func in _PROPAGATE and truths and truths[0] is not None:
-        return truths[0]
-    if func in _NEGATE and truths and truths[0] is not None:
-        return not truths[0]
-    if func in _COMBINE and truths and None not in truths:
-        return _COMBINE[func](truths)
-    return None
-
-
-_VALUE = "_fake_cuda_value"  # the host value of a fake whose value is known
-_TRUTH = "_fake_cuda_truth"  # the answer a healthy run gives for a bool fake of unknown value
-_MAX_KNOWN_NUMEL = 1 << 16  # values are followed for small (bookkeeping) tensors only
-
-
-def _known_value(t):
-    if not isinstance(t, torch.Tensor):
-        return None
-    if not _is_fake(t):
-        return t if t.device.type == "cpu" else None
-    value = getattr(t, "constant", None)
-    return getattr(t, _VALUE, None) if value is None else value
-
-
-def _aten_tables():
-    aten = torch.ops.aten
-    healthy = {aten.isfinite: True, aten.isnan: False, aten.isinf: False}
-    propagate = {aten.all, aten.any, aten.clone, aten._to_copy, aten.view, aten.reshape, aten.select, aten.slice,
-                 aten.squeeze, aten.unsqueeze, aten.alias, aten.detach, aten.lift_fresh, aten.lift_fresh_copy}
-    negate = {aten.logical_not, aten.bitwise_not}
-    combine = {aten.logical_and: all, aten.bitwise_and: all, aten.logical_or: any, aten.bitwise_or: any}
-    return healthy, propagate, negate, combine
-
-
-def _dummy_scalar(t: torch.Tensor):
-    if t.dtype == torch.bool:
-        return False
-    if t.dtype.is_floating_point or t.dtype.is_complex:
-        return 0.0
-    return 0
-
-
-class _DataReadMode(torch.utils._python_dispatch.TorchDispatchMode):
-    """Data reads of fakes (``aten._local_scalar_dense``: item, bool, int, float, tolist), at the dispatch
-    level so that they behave the same on autograd's device threads (backward, activation recompute).
-
-    - Small fakes whose inputs are all known (real host tensors, or fakes with a known value) get their
-      value computed on the host: ``torch.tensor([...])`` and what is derived from it (device moves,
-      slicing, arithmetic), e.g. sequence lengths from ``cu_seqlens``. Writing into a fake forgets its
-      value, except by a collective (the fake process group changes nothing: every rank contributes what
-      this rank does).
-    - Health predicates of unknown values answer as a healthy run would: ``isfinite`` True, ``isnan`` /
-      ``isinf`` False, carried through all/any/not/and/or.
-    - Anything else reads as zero (False).
-    """
-
-    def __init__(self):
-        super().__init__()
-        self.healthy, self.propagate, self.negate, self.combine = _aten_tables()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.ops.aten._local_scalar_dense.default and _is_fake(args[0]):
-            t = args[0]
-            known = _known_value(t)
-            if known is not None:
-                from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-                with unset_fake_temporarily():
-                    return known.item()
-            truth = getattr(t, _TRUTH, None)
-            return _dummy_scalar(t) if truth is None else (truth if t.dtype == torch.bool else int(truth))
-        if func._schema.is_mutable and func.namespace != "c10d":
-            for t in _tensors_in(args, kwargs):
-                if _is_fake(t) and hasattr(t, _VALUE):
-                    delattr(t, _VALUE)
-        out = func(*args, **kwargs)
-        results = out if isinstance(out, (tuple, list)) else [out]
-        fakes = [r for r in results if _is_fake(r)]
-        if fakes and not func._schema.is_mutable and sum(r.numel() for r in fakes) <= _MAX_KNOWN_NUMEL:
-            self._follow(func, args, kwargs, out)
-        return out
-
-    def _follow(self, func, args, kwargs, out) -> None:
-        tensors = _tensors_in(args, kwargs)
-        known = [_known_value(t) for t in tensors]
-        if tensors and all(k is not None for k in known):
-            from torch._subclasses.fake_tensor import unset_fake_temporarily
-            from torch.utils._pytree import tree_map
-
-            host_args = tree_map(lambda x: _known_value(x) if isinstance(x, torch.Tensor) else x, args)
-            host_kwargs = {k: tree_map(lambda x: _known_value(x) if isinstance(x, torch.Tensor) else x, v)
-                           for k, v in kwargs.items() if k != "device"}
-            try:
-                with unset_fake_temporarily():
-                    value = func(*host_args, **host_kwargs)
-            except Exception:  # noqa: BLE001 (an op that cannot run on the host values just stays unknown)
-                return
-            for fake, host in zip(out if isinstance(out, (tuple, list)) else [out],
-                                  value if isinstance(value, (tuple, list)) else [value]):
-                if _is_fake(fake) and isinstance(host, torch.Tensor) and host.shape == fake.shape:
-                    setattr(fake, _VALUE, host)
-            return
-        if not _is_fake(out) or out.dtype != torch.bool:
-            return
-        packet = func.overloadpacket
-        truths = [getattr(t, _TRUTH, None) for t in tensors]
-        if packet in self.healthy:
-            truth = self.healthy[packet]
-        elif packet in self.propagate and truths and truths[0] is not None:
-            truth = truths[0]
-        elif packet in self.negate and truths and truths[0] is not None:
-            truth = not truths[0]
-        elif packet in self.combine and truths and None not in truths:
-            truth = self.combine[packet](truths)
-        else:
-            return
-        setattr(out, _TRUTH, truth)
-
-
 # ------------------------------------------------------------------------------ collective checker
 @dataclass(frozen=True)
 class Violation:
@@ -464,13 +270,14 @@ class Violation:
         return f"{self.collective} on a {self.backend} group with tensors on {list(self.devices)} at {self.call_site}"
 
 
-_HARNESS_FILE = os.path.abspath(__file__)
+_HARNESS_FILES = tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
+                       for name in ("fake_cuda", "fake_reads", "fake_gaps"))
 
 
 def _call_site() -> str:
     """The innermost frame that is neither torch, Megatron's comm helpers nor this harness."""
     frames = traceback.extract_stack()[:-1]
-    skip = (os.sep + "torch" + os.sep, _HARNESS_FILE, os.sep + "contextlib.py")
+    skip = (os.sep + "torch" + os.sep, *_HARNESS_FILES, os.sep + "contextlib.py")
     for frame in reversed(frames):
         if not any(s in frame.filename for s in skip):
             return f"{frame.filename}:{frame.lineno} in {frame.name}"
@@ -665,182 +472,6 @@ def _install_dist(patches: _Patches, session: FakeCudaSession) -> None:
         patches.set(mod, "scatter_object_list", scatter_object_list)
 
 
-class _HostSlice:
-    def __init__(self, inner):
-        self._inner = inner
-
-    def __getitem__(self, index):
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-        with unset_fake_temporarily():
-            return self._inner[index]
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
-
-
-class _HostSafeOpen:
-    """A safetensors handle whose reads are real host tensors (file contents are data, not fakes; so are
-    ``torch.load`` results)."""
-
-    def __init__(self, inner):
-        self._inner = inner
-
-    def get_slice(self, name):
-        return _HostSlice(self._inner.get_slice(name))
-
-    def get_tensor(self, name):
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-        with unset_fake_temporarily():
-            return self._inner.get_tensor(name)
-
-    def __enter__(self):
-        self._inner.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self._inner.__exit__(*exc)
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
-
-
-def _install_module_moves(patches: _Patches) -> None:
-    """``Module.cuda()`` / ``.bfloat16()`` on fake parameters.
-
-    torch swaps fake parameters in place (``torch.utils.swap_tensors``) instead of assigning ``.data``, and
-    refuses when the tensor has weak references; fake mode's own meta converter keeps one on every fake it
-    has described. Those are fake-mode bookkeeping, not references a GPU run would have, so for two fakes
-    the weak-reference check is skipped.
-    """
-    import torch.utils as torch_utils
-
-    original = torch_utils.swap_tensors
-    no_weakrefs = SimpleNamespace(getweakrefs=lambda obj: [])
-
-    def swap_tensors(t1, t2):
-        if not (_is_fake(t1) and _is_fake(t2)):
-            return original(t1, t2)
-        real = torch_utils.weakref
-        torch_utils.weakref = no_weakrefs
-        try:
-            return original(t1, t2)
-        finally:
-            torch_utils.weakref = real
-
-    patches.set(torch_utils, "swap_tensors", swap_tensors)
-
-
-def _install_host_io(patches: _Patches) -> None:
-    import safetensors
-
-    original = safetensors.safe_open
-    patches.set(safetensors, "safe_open", lambda *a, **k: _HostSafeOpen(original(*a, **k)))
-    original_load = torch.load
-
-    def load(*args, **kwargs):
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-        with unset_fake_temporarily():
-            return original_load(*args, **kwargs)
-
-    patches.set(torch, "load", load)
-
-
-def _host_zeros(t: torch.Tensor) -> torch.Tensor:
-    if not _is_fake(t):
-        return t
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    with unset_fake_temporarily():
-        return torch.zeros(t.shape, dtype=t.dtype)
-
-
-class _DistAsRankZero:
-    def get_rank(self, group=None):
-        return 0 if group is None else dist.get_rank(group)
-
-    def __getattr__(self, name):
-        return getattr(dist, name)
-
-
-class _TorchAsRankZero:
-    """``torch`` for a module whose global-rank-0 duties this process must also do."""
-
-    distributed = _DistAsRankZero()
-
-    def __getattr__(self, name):
-        return getattr(torch, name)
-
-
-def _install_megatron_gaps(patches: _Patches) -> None:
-    """The harness gaps listed in the module docstring (only what a one-rank fake world cannot provide)."""
-    from megatron.core.optimizer import clip_grads
-    from megatron.core.pipeline_parallel import p2p_communication
-
-    def l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
-        norms = [torch.linalg.vector_norm(t.float()) for t in tensor_lists[0]]
-        return torch.linalg.vector_norm(torch.stack(norms)).reshape(1), None
-
-    patches.set(clip_grads, "l2_norm_impl", l2_norm)
-
-    comm_cls = p2p_communication.P2PCommunicator
-    original_comm = comm_cls._communicate
-    original_shapes = comm_cls._communicate_shapes
-    state = threading.local()
-
-    def _communicate(self, *args, **kwargs):
-        state.tensor_shape = kwargs.get("tensor_shape")
-        return original_comm(self, *args, **kwargs)
-
-    def _communicate_shapes(self, tensor_send_next, tensor_send_prev, recv_prev, recv_next):
-        original_shapes(self, tensor_send_next, tensor_send_prev, recv_prev, recv_next)  # its tensors are checked
-        shape = list(state.tensor_shape) if getattr(state, "tensor_shape", None) is not None else None
-        return (shape if recv_prev else None), (shape if recv_next else None)
-
-    patches.set(comm_cls, "_communicate", _communicate)
-    patches.set(comm_cls, "_communicate_shapes", _communicate_shapes)
-
-    from megatron.core.dist_checkpointing import serialization, validation
-    from megatron.core.dist_checkpointing.strategies import common as ckpt_common
-
-    from megatron.core.dist_checkpointing import state_dict_utils
-
-    for module in (validation, state_dict_utils):
-        patches.set(module, "validate_sharding_integrity", lambda *a, **k: None)
-    patches.set(validation, "_validate_common_state_dict", lambda *a, **k: None)
-    # In a world of one this rank is the main replica of everything it holds: it saves all it will load.
-    from megatron.core.dist_checkpointing.strategies import torch as ckpt_torch
-
-    for module in (ckpt_torch, ckpt_common):
-        patches.set(module, "is_main_replica", lambda replica_id: True)
-    # Megatron's rank 0 writes a dist checkpoint's metadata.json and common.pt; no other process will here.
-    for module in (serialization, ckpt_common):
-        patches.set(module, "torch", _TorchAsRankZero())
-    from torch.distributed.checkpoint import utils as dcp_utils
-
-    original_wrapper_init = dcp_utils._DistWrapper.__init__
-
-    def one_rank_wrapper(self, group, use_dist, coordinator_rank):
-        original_wrapper_init(self, group, False, 0)
-
-    patches.set(dcp_utils._DistWrapper, "__init__", one_rank_wrapper)
-
-    # The bytes a checkpoint writes for a fake tensor are zeros (a host copy of device data is a data read).
-    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
-
-    original_preload = FileSystemWriterAsync.preload_tensors
-
-    def preload_tensors(write_buckets, non_blocking=True):
-        result = []
-        for file_name, storage_key, (bytes_data, tensor_data) in original_preload(write_buckets, non_blocking):
-            result.append((file_name, storage_key, (bytes_data, [(item, _host_zeros(t)) for item, t in tensor_data])))
-        return result
-
-    patches.set(FileSystemWriterAsync, "preload_tensors", staticmethod(preload_tensors))
-
-
 def _fake_mode_class():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -886,15 +517,15 @@ def fake_cuda(world_size: int, rank: int, *, num_devices: int = MAX_DEVICES,
         _install_cuda_stubs(patches, device, num_devices, guard)
         guard.set_device(device.index)
         _install_dist(patches, session)
-        _install_megatron_gaps(patches)
-        _install_host_io(patches)
-        _install_module_moves(patches)
+        install_megatron_gaps(patches)
+        install_host_io(patches)
+        install_module_moves(patches)
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
         session._backends[id(dist.group.WORLD)] = "nccl"
         session.fake_mode = _FakeMode(allow_non_fake_inputs=True)
         modes.enter_context(session.fake_mode)
-        modes.enter_context(_DataReadMode())  # dispatch level: autograd's device threads see it too
-        modes.enter_context(_HostFunctionMode())
+        modes.enter_context(DataReadMode())  # dispatch level: autograd's device threads see it too
+        modes.enter_context(HostFunctionMode())
         yield session
     finally:
         modes.close()

@@ -59,8 +59,6 @@ def describe(tensor) -> dict:
 
 
 def run(spec: dict) -> dict:
-    import torch
-
     from megatron_arpo.testing.fake_cuda import fake_cuda
 
     world = spec["tp"] * spec["pp"] * spec["dp"]
