@@ -80,7 +80,8 @@ def test_plan_32b(config):
 
 def test_plan_rejects_bad_layout():
     proc = run_cli("plan", "--model-config", "qwq-32b", "--tp", 16, "--pp", 4, check=False)
-    assert proc.returncode == 2 and "num_key_value_heads 8 is not divisible by tensor_parallel 16" in proc.stderr
+    assert proc.returncode == 2 and "tensor_parallel: 16 does not divide qwq-32b num_attention_heads 40; " \
+        "valid values: [1, 2, 4, 8]" in proc.stderr
 
 
 def test_bf16_round_trip_keeps_dtype(tmp_path):
