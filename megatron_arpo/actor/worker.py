@@ -464,7 +464,10 @@ class MegatronActorWorker:
             yield bucket
 
     def export_weights(self, bucket_bytes: int = DEFAULT_EXPORT_BUCKET_BYTES) -> list[list]:
-        """All HF tensors as a snapshot (copies), bucketed, on global rank 0; ``[]`` on the other ranks."""
+        """All HF tensors as a host snapshot (copies), bucketed, on global rank 0; ``[]`` on the other ranks.
+
+        They leave the worker (Ray's object store, the driver): host tensors, copied off the device.
+        """
         self._compat()
         self._require()
         if self.dp_rank != 0:
@@ -474,7 +477,8 @@ class MegatronActorWorker:
         buckets = []
         for bucket in self.iter_weight_buckets(bucket_bytes):
             if owner:
-                buckets.append([(n, t.clone() if t.untyped_storage().data_ptr() in live else t) for n, t in bucket])
+                host = [(n, t.detach().cpu()) for n, t in bucket]  # a copy on GPU, the same tensor on CPU
+                buckets.append([(n, t.clone() if t.untyped_storage().data_ptr() in live else t) for n, t in host])
         return buckets
 
     def write_hf_checkpoint(self, out_dir) -> None:

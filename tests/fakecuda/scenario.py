@@ -5,8 +5,8 @@ one after the other in this process; a later rank receives the object messages a
 (the last stage's metrics and export metadata reach the first stage). Each rank runs the actor
 worker's GPU paths under ``megatron_arpo.testing.fake_cuda``: init_model (HF weights),
 compute_log_probs with entropy, a PPO update with AEPO entropy-aware advantages (its entropy pass)
-and the optimizer step, sft_step, checkpoint save and load, the weight export for sync and
-write_hf_checkpoint.
+and the optimizer step, sft_step, checkpoint save and load, the weight export for sync (the streamed
+buckets and the host snapshot) and write_hf_checkpoint.
 
 OUT is ``{rank: result}`` (what each step saw: devices, dtypes, shapes; the collective checker's
 violations; the peer messages it missed), or ``{"unavailable": reason}`` when the harness's C++ guard
@@ -123,6 +123,13 @@ def run(spec: dict) -> dict:
                     "devices": sorted({str(t.device) for t in tensors})}
 
         step("export", export)
+
+        def snapshot():  # what the trainer ships to the engines through Ray: host copies, on rank 0 only
+            buckets = worker.export_weights(bucket_bytes=1 << 16)
+            return {"num_tensors": sum(len(b) for b in buckets),
+                    "devices": sorted({str(t.device) for b in buckets for _, t in b})}
+
+        step("export_weights", snapshot)
 
         def hf():
             worker.write_hf_checkpoint(work / "hf")

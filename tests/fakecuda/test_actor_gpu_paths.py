@@ -127,6 +127,9 @@ def test_weight_export_and_hf_checkpoint_cover_the_model_on_the_device(results, 
     # The last stage exports its own layer (global layer 1), the final norm and (untied) the lm_head.
     own = {n for n in source if n.startswith("model.layers.1.") or n in ("model.norm.weight", "lm_head.weight")}
     assert set(last["steps"]["export"]["tensors"]) == own and last["steps"]["export"]["devices"] == ["cuda:4"]
+    # The snapshot that leaves the worker (to the driver, through Ray) is on the host, on rank 0 only.
+    assert first["steps"]["export_weights"] == {"num_tensors": len(source), "devices": ["cpu"]}
+    assert last["steps"]["export_weights"] == {"num_tensors": 0, "devices": []}
     # Global rank 0 wrote the HF checkpoint: every tensor, bf16, in the source's shapes.
     files = first["steps"]["write_hf_checkpoint"]
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(files)
