@@ -6,7 +6,7 @@ one after the other in this process; a later rank receives the object messages a
 worker's GPU paths under ``megatron_arpo.testing.fake_cuda``: init_model (HF weights),
 compute_log_probs with entropy, a PPO update with AEPO entropy-aware advantages (its entropy pass)
 and the optimizer step, sft_step, checkpoint save and load, the weight export for sync (the streamed
-buckets and the host snapshot) and write_hf_checkpoint.
+buckets and the host snapshot) and write_hf_checkpoint; then a reference-role worker's log-probs.
 
 OUT is ``{rank: result}`` (what each step saw: devices, dtypes, shapes; the collective checker's
 violations; the peer messages it missed), or ``{"unavailable": reason}`` when the harness's C++ guard
@@ -137,6 +137,19 @@ def run(spec: dict) -> dict:
 
         step("write_hf_checkpoint", hf)
         worker.shutdown()
+
+        def reference():  # the frozen reference model (KL): same stage, no DDP or optimizer
+            ref = MegatronActorWorker(experiment_config(spec), spec["rank"], world, role="reference")
+            ref.init_model()
+            res = ref.compute_log_probs({"input_ids": data["input_ids"]})
+            out = {"chunk": type(ref.chunk).__name__,
+                   "params": sorted({f"{p.device} {str(p.dtype).removeprefix('torch.')} {p.requires_grad}"
+                                     for p in ref.chunk.parameters()}),
+                   "logprobs": sorted({str(t.device) for t in res["logprobs"]})}
+            ref.shutdown()
+            return out
+
+        step("reference", reference)
     out["violations"] = [str(v) for v in session.violations]
     out["missing_peer_messages"] = session.missing_peer_messages
     out["sent_messages"] = {k: [base64.b64encode(m).decode() for m in v] for k, v in session.sent_messages.items()}

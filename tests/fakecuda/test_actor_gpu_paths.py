@@ -3,7 +3,8 @@
 TP=2 PP=2 DP=2, with and without sequence parallelism (with SP: selective and full recompute).
 
 Every scenario runs init_model (HF weights) -> compute_log_probs -> update (AEPO entropy pass +
-optimizer step) -> sft_step -> checkpoint save and load -> weight export -> write_hf_checkpoint, with
+optimizer step) -> sft_step -> checkpoint save and load -> weight export -> write_hf_checkpoint, then a
+reference-role worker's compute_log_probs, with
 the collective checker on (a non-CUDA tensor into an NCCL group is a failure naming the call site).
 Ranks 4 (tp0, dp0, pp1: the last stage) and 0 (the first stage, global rank 0: it writes the HF
 checkpoint) run in one subprocess per scenario, rank 4 first so that rank 0 receives its messages.
@@ -108,6 +109,8 @@ def test_log_probs_update_sft_and_checkpoint_ran(results, name, rank):
     assert {"loss", "grad_norm", "lr"} <= set(steps["sft_step"])
     ckpt = steps["checkpoint"]
     assert (ckpt["step"], ckpt["note"]) == (1, "fake-cuda") and ckpt["path"].endswith("step-1")
+    ref = steps["reference"]  # frozen, on the GPU in bf16 under Float16Module; results on the host
+    assert ref == {"chunk": "Float16Module", "params": [f"cuda:{rank % 8} bfloat16 False"], "logprobs": ["cpu"]}
     if rank != FIRST:  # this rank wrote its own shards; rank 0's publishing was played by the scenario
         assert ckpt["own_files"] == {"rng": True, "model": True, "optim": True}
     # Only the last stage misses messages: the first stage's export buckets (rank 0 ran after it).
