@@ -26,6 +26,9 @@ $(STAMP): setup.py Makefile
 	# exist"), and transformers then fails to import its model classes. Nothing here needs them.
 	$(PIP) uninstall --quiet -y torchvision torchaudio torchcodec || true
 	$(PY) -c "import torch, vllm, megatron.core, transformers, ray"
+	# The real Qwen BPE ranks for the test checkpoints: the pinned dashscope wheel, fetched with pip (no
+	# dependencies, not installed) into .cache/wheels and checked by SHA-256 (megatron_arpo/tiny/qwen_tokenizer.py).
+	$(PY) -m megatron_arpo.tiny.qwen_tokenizer
 	@touch $(STAMP)
 
 # The GPU stack in its own venv (GPU_VENV), on a GPU node with the CUDA toolkit (nvcc) and cuDNN headers

@@ -43,11 +43,12 @@ def _config(tmp: Path, hf_dir: Path, sft_file: Path):
 def _batches(cfg, steps: int):
     from transformers import AutoTokenizer
 
+    from megatron_arpo.data.chat import load_chat_format
     from megatron_arpo.data.sampler import EpochSampler
     from megatron_arpo.data.sft import load_sft_examples
 
-    examples, _ = load_sft_examples(cfg.sft.train_files, AutoTokenizer.from_pretrained(cfg.model.hf_checkpoint),
-                                    cfg.sft.max_seq_tokens)
+    chat = load_chat_format(AutoTokenizer.from_pretrained(cfg.model.hf_checkpoint), cfg.model.hf_checkpoint)
+    examples, _ = load_sft_examples(cfg.sft.train_files, chat, cfg.sft.max_seq_tokens)
     sampler = EpochSampler(len(examples), cfg.sft.global_batch_size, seed=0, shuffle=True)
     out = []
     for _ in range(steps):

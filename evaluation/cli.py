@@ -4,12 +4,13 @@
                        [--config X.yaml [--set a.b=c ...]] [--out DIR] [--judge-url URL]
 
 Settings come from, in increasing priority: the defaults of the config dataclasses, ``--config`` (its
-``eval``, ``rollout``, ``tools``, ``data.system_prompt`` and ``model`` sections) with ``--set``
-overrides, then the command-line flags. Without ``--config`` the search tool is on only when
-``--search-corpus`` (local BM25) or ``--search-url`` (HTTP retriever) is given; the python sandbox is on
-unless ``--no-python``.
+``eval``, ``rollout``, ``tools``, ``data.system_prompt`` / ``chat_template`` / ``enable_thinking`` and
+``model`` sections) with ``--set`` overrides, then the command-line flags. Without ``--config`` the search
+tool is on only when ``--search-corpus`` (local BM25) or ``--search-url`` (HTTP retriever) is given; the
+python sandbox is on unless ``--no-python``.
 
-Exit codes: 0 done, 2 bad input (unknown dataset, missing file, model without tokenizer, bad config).
+Exit codes: 0 done, 2 bad input (unknown dataset, missing file, model without tokenizer or chat template,
+generation_config.json without the tokenizer's EOS, bad config).
 A judge that is down is not an error: results.json says so and the headline falls back to rule metrics.
 """
 
@@ -103,8 +104,22 @@ def _tools_config(args: argparse.Namespace, cfg: Any, out_dir: Path) -> dict[str
     return tools
 
 
+def load_chat(model_dir: str, tokenizer_dir: Optional[str] = None, chat_template_file: Optional[str] = None,
+              enable_thinking: Optional[bool] = None) -> Any:
+    """The checkpoint's `ChatFormat` (tokenizer, chat template, EOS ids, thinking prefix); EvalError otherwise."""
+    from evaluation.runner import EvalError
+    from megatron_arpo.data.chat import ChatFormatError, load_chat_format
+
+    tokenizer = load_tokenizer(model_dir, tokenizer_dir)
+    try:
+        return load_chat_format(tokenizer, model_dir, tokenizer_dir=tokenizer_dir or model_dir,
+                                chat_template_file=chat_template_file, enable_thinking=enable_thinking)
+    except ChatFormatError as exc:
+        raise EvalError(str(exc)) from exc
+
+
 def load_tokenizer(model_dir: str, tokenizer_dir: Optional[str] = None) -> Any:
-    """The checkpoint's tokenizer, with a chat template; a clear EvalError otherwise."""
+    """The checkpoint's tokenizer; a clear EvalError when there is none."""
     from evaluation.runner import EvalError
 
     model_path = Path(model_dir)
@@ -126,9 +141,6 @@ def load_tokenizer(model_dir: str, tokenizer_dir: Optional[str] = None) -> Any:
     except Exception as exc:  # transformers raises many types for broken tokenizer files
         raise EvalError(f"cannot load the tokenizer in {str(tok_path)!r}: {exc}; pass --tokenizer DIR with "
                         "working tokenizer files") from exc
-    if not getattr(tokenizer, "chat_template", None):
-        raise EvalError(f"the tokenizer in {str(tok_path)!r} has no chat template; prompts are rendered with "
-                        "it as in training. Use the tokenizer of the chat model this checkpoint came from")
     return tokenizer
 
 
@@ -169,11 +181,12 @@ def prepare(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     if temperature < 0:
         raise EvalError(f"--temperature {temperature} must be >= 0 (0 = greedy)")
     tools_cfg = _tools_config(args, cfg, out_dir)
-    tokenizer = load_tokenizer(model, _pick(args.tokenizer, cfg.model.tokenizer))
+    chat = load_chat(model, _pick(args.tokenizer, cfg.model.tokenizer), cfg.data.chat_template, cfg.data.enable_thinking)
     system_prompt = _pick(cfg.data.system_prompt, DEFAULT_SYSTEM_PROMPT)
     search = tools_cfg["search"]
     meta = {
         "response_length": response_length, "call_limit": call_limit, "seed": seed, "dtype": args.dtype,
+        "enable_thinking": cfg.data.enable_thinking,
         "python_tool": bool(tools_cfg["python"]["enabled"]),
         "search_tool": (None if not search["enabled"] else
                         {"backend": search["backend"], "corpus": search.get("corpus"), "url": search.get("url"),
@@ -183,7 +196,7 @@ def prepare(args: argparse.Namespace) -> tuple[Any, Any, Any]:
                             temperature=temperature, top_p=_pick(args.top_p, ev.top_p),
                             max_samples=_pick(args.max_samples, ev.max_samples), system_prompt=system_prompt,
                             max_in_flight=args.max_in_flight, generation_meta=meta)
-    engine = EngineSpec(model_dir=str(model), tokenizer=tokenizer, rollout_section=rollout, tools_cfg=tools_cfg,
+    engine = EngineSpec(model_dir=str(model), chat=chat, rollout_section=rollout, tools_cfg=tools_cfg,
                         temperature=temperature, top_p=settings.top_p, response_length=response_length,
                         call_limit=call_limit, seed=seed, dtype=args.dtype)
     judge = None

@@ -1,7 +1,8 @@
 """The evaluation runner: generate with the training rollout code, score, judge, aggregate, resume.
 
-Generation goes through `megatron_arpo.rollout` exactly as training validation does: a `RolloutGroup` of
-`VllmEngine`s, the `RolloutScheduler` with its tag protocol (closing tags stop generation, results are
+Generation goes through `megatron_arpo.rollout` exactly as training validation does: prompts rendered by
+the checkpoint's `ChatFormat` (chat template, EOS ids, thinking prefix), a `RolloutGroup` of
+`VllmEngine`s, the `RolloutScheduler` with its tag protocol (closing tags are stop strings, results are
 spliced as ``" <result>\\n{payload}\\n</result>"``, tokenized once) and the `ToolExecutor` of
 `megatron_arpo.tools` (sandboxed python, search backends, cache). Each (question, run) is one scheduler
 call with n = 1 and no branching; greedy when the temperature is 0, else sampled with a per-call seed
@@ -96,7 +97,8 @@ class RolloutGenerator:
     """One question -> one trajectory through `megatron_arpo.rollout.RolloutScheduler` (n = 1, no branching).
 
     ``render(messages) -> token ids`` renders the chat prompt (the model's chat template); ``decode(ids)``
-    turns response ids into text (special tokens dropped, tool tags kept).
+    turns response ids into the text that is scored (`TagProtocol.response_text`: the template's thinking
+    prefix, then the response with special tokens dropped and tool tags kept), as in training.
     """
 
     def __init__(self, scheduler: Any, render: Callable[[list[dict[str, str]]], list[int]],
@@ -126,7 +128,7 @@ class EngineSpec:
     """What `open_rollout_generator` needs to start the engine and tools."""
 
     model_dir: str
-    tokenizer: Any
+    chat: Any                         # megatron_arpo.data.chat.ChatFormat of the checkpoint
     rollout_section: Any              # megatron_arpo.config.RolloutSection
     tools_cfg: dict[str, Any]         # the plain `tools` section for megatron_arpo.tools.build_tools
     temperature: float
@@ -153,7 +155,6 @@ class open_rollout_generator:
     async def __aenter__(self) -> RolloutGenerator:
         from megatron_arpo.rollout.engine import EngineConfig, VllmEngine
         from megatron_arpo.rollout.group import RolloutGroup
-        from megatron_arpo.rollout.protocol import TagProtocol, checkpoint_eos_token_ids
         from megatron_arpo.rollout.scheduler import RolloutScheduler
         from megatron_arpo.tools.registry import build_tools
 
@@ -162,25 +163,13 @@ class open_rollout_generator:
             logger.info("evaluation uses one in-process engine; rollout.num_engines=%d is ignored",
                         s.rollout_section.num_engines)
         self.tools = build_tools(s.tools_cfg)
-        protocol = TagProtocol(s.tokenizer, self.tools.tags,
-                               extra_eos_token_ids=checkpoint_eos_token_ids(s.model_dir))
+        protocol = s.chat.protocol(self.tools.tags)
         self.engine = VllmEngine(EngineConfig.from_rollout_section(s.model_dir, s.rollout_section, dtype=s.dtype))
         options = eval_rollout_options(s.rollout_section, temperature=s.temperature, top_p=s.top_p,
                                        response_length=s.response_length, call_limit=s.call_limit, seed=s.seed,
                                        max_model_len=self.engine.max_model_len)
         scheduler = RolloutScheduler(RolloutGroup([self.engine]), self.tools, protocol, options)
-        tokenizer = s.tokenizer
-
-        def render(messages: list[dict[str, str]]) -> list[int]:
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # BatchEncoding in newer transformers
-                ids = ids["input_ids"]
-            return list(ids)
-
-        def decode(ids: list[int]) -> str:
-            return tokenizer.decode(ids, skip_special_tokens=True)
-
-        self.generator = RolloutGenerator(scheduler, render, decode, options)
+        self.generator = RolloutGenerator(scheduler, s.chat.render, protocol.response_text, options)
         return self.generator
 
     async def __aexit__(self, *exc: Any) -> None:

@@ -216,6 +216,8 @@ class DataSection:
     drop_last: bool = _f(True)
     system_prompt: Optional[str] = _f(None, help="JSONL system prompt; null = data.datasets.DEFAULT_SYSTEM_PROMPT")
     chat_template: Optional[str] = _f(None, help="Jinja file; null = the tokenizer's template")
+    enable_thinking: Optional[bool] = _f(None, help="passed to the chat template (Qwen3: false = no-think mode); "
+                                                    "null = the template's default")
     reward: str = _f("deep_research", help="deep_research | math | qa | dotted.path:function")
 
 

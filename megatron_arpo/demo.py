@@ -4,7 +4,8 @@ Stages, each run as its own subprocess (one heavy process at a time, each frees 
 included, before the next starts), each skipped when its output is already complete (a rerun resumes):
 
 1. ``data``  — the synthetic task set (``megatron_arpo.data.demo_tasks.ensure_demo_tasks``) into
-   ``<run_dir>/data`` and the random-init tiny checkpoint (``build_tiny_checkpoint``) into ``<run_dir>/init``;
+   ``<run_dir>/data`` and the random-init tiny checkpoint (``build_tiny_checkpoint``) into ``<run_dir>/init``,
+   with the small local tokenizer, or with ``--tokenizer qwen3|qwq`` the real Qwen BPE;
 2. ``sft``   — cold-start SFT (``megatron-arpo sft``) from ``init`` on the mixed tool/direct trajectories,
    HF export in ``<run_dir>/sft/hf``;
 3. ``before`` — greedy evaluation of the SFT model on the validation prompts with the training tool loop
@@ -56,7 +57,7 @@ class Demo:
     """The stage runner; ``paths`` are all inside ``run_dir``."""
 
     def __init__(self, config: str, overrides: list[str], run_dir: Path, seed: int | None,
-                 sft_tool_fraction: float, log_dir: Path | None = None):
+                 sft_tool_fraction: float, log_dir: Path | None = None, tokenizer: str = "local"):
         from megatron_arpo.config import load_config
 
         self.config = config
@@ -65,6 +66,7 @@ class Demo:
         self.run_dir = run_dir
         self.seed = seed
         self.sft_tool_fraction = sft_tool_fraction
+        self.tokenizer = tokenizer
         self.logs = log_dir or run_dir / "logs"
         self.data_dir = run_dir / "data"
         self.init_dir = run_dir / "init"
@@ -151,7 +153,8 @@ class Demo:
                           topk=search.topk, result_chars=search.result_chars,
                           system_prompt=self.cfg.data.system_prompt or DEMO_SYSTEM_PROMPT)
         if not (self.init_dir / "config.json").is_file():
-            build_tiny_checkpoint(self.cfg.model.config, self.init_dir, seed=self.seed or 0, overwrite=True)
+            build_tiny_checkpoint(self.cfg.model.config, self.init_dir, seed=self.seed or 0, overwrite=True,
+                                  tokenizer=self.tokenizer)
         # The evaluation reads <dir>/<name>/test.jsonl: one dataset per data source of the val split.
         by_source: dict[str, list[str]] = {}
         for line in (self.data_dir / "demo_val.jsonl").read_text().splitlines():
@@ -200,8 +203,10 @@ class Demo:
         from megatron_arpo.config import load_config
 
         resolved = load_config(self.config, self.path_overrides()).to_dict()
-        settings = json.loads(json.dumps({"config": resolved, "seed": self.seed,
-                                          "sft_tool_fraction": self.sft_tool_fraction}, sort_keys=True, default=str))
+        settings = {"config": resolved, "seed": self.seed, "sft_tool_fraction": self.sft_tool_fraction}
+        if self.tokenizer != "local":  # absent for the default, so earlier run directories stay valid
+            settings["tokenizer"] = self.tokenizer
+        settings = json.loads(json.dumps(settings, sort_keys=True, default=str))
         path = self.run_dir / "demo-settings.json"
         if path.is_file():
             old = json.loads(path.read_text())
@@ -343,6 +348,7 @@ def write_summary(demo: Demo) -> dict:
 def demo_main(argv: Sequence[str]) -> int:
     from megatron_arpo.cli import PROG, add_config_arguments
     from megatron_arpo.data.demo_tasks import DEFAULT_SFT_TOOL_FRACTION
+    from megatron_arpo.tiny.checkpoint import TOKENIZER_KINDS
 
     parser = argparse.ArgumentParser(prog=f"{PROG} demo", description=__doc__.split("\n\n")[0])
     add_config_arguments(parser)
@@ -351,6 +357,10 @@ def demo_main(argv: Sequence[str]) -> int:
     parser.add_argument("--run-dir", default=None, help="default: trainer.run_dir, with -seed<S> for --seed S")
     parser.add_argument("--sft-tool-fraction", type=float, default=DEFAULT_SFT_TOOL_FRACTION,
                         help="share of the SFT trajectories that call the tool")
+    parser.add_argument("--tokenizer", default="local", choices=TOKENIZER_KINDS,
+                        help="tokenizer of the initial checkpoint: the small local one (default), or the real Qwen "
+                             "BPE of qwen3 / qwq, which needs a model.config at its vocabulary size "
+                             "(e.g. tiny-qwen3-qwen-vocab / tiny-qwq-qwen-vocab)")
     parser.add_argument("--stages", default=",".join(STAGES),
                         help=f"comma-separated subset of {','.join(STAGES)} (the summary is always written)")
     args = parser.parse_args(list(argv))
@@ -365,7 +375,7 @@ def demo_main(argv: Sequence[str]) -> int:
     bad = [s for s in stages if s not in STAGES]
     if bad:
         parser.error(f"--stages: unknown {bad}; choose from {','.join(STAGES)}")
-    demo = Demo(args.config, args.overrides, run_dir, args.seed, args.sft_tool_fraction)
+    demo = Demo(args.config, args.overrides, run_dir, args.seed, args.sft_tool_fraction, tokenizer=args.tokenizer)
     start = time.perf_counter()
     try:
         summary = demo.run(stages)

@@ -69,6 +69,7 @@ def run_sft(cfg, resume: str = "auto") -> dict[str, Any]:
     from megatron_arpo.actor.optimizer import settings_for_sft
     from megatron_arpo.cluster.runtime import connect_ray
     from megatron_arpo.config import ConfigError
+    from megatron_arpo.data.chat import load_chat_format
     from megatron_arpo.data.sampler import EpochSampler
     from megatron_arpo.data.sft import load_sft_examples
     from megatron_arpo.trainer.checkpointing import ResumeError, is_due, resolve_resume
@@ -79,15 +80,19 @@ def run_sft(cfg, resume: str = "auto") -> dict[str, Any]:
     if not cfg.model.hf_checkpoint:
         raise ConfigError(["model.hf_checkpoint: required for SFT (the model to fine-tune)"])
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.hf_checkpoint)
-    examples, stats = load_sft_examples(cfg.sft.train_files, tokenizer, cfg.sft.max_seq_tokens, cfg.data.on_bad_row)
+    # The checkpoint's chat format (template, EOS ids, thinking prefix): SFT prompts are RL prompts.
+    chat = load_chat_format(tokenizer, cfg.model.hf_checkpoint, tokenizer_dir=cfg.model.tokenizer,
+                            chat_template_file=cfg.data.chat_template, enable_thinking=cfg.data.enable_thinking)
+    examples, stats = load_sft_examples(cfg.sft.train_files, chat, cfg.sft.max_seq_tokens, cfg.data.on_bad_row)
     batch_size = cfg.sft.global_batch_size
     total_steps = math.ceil(cfg.sft.epochs * len(examples) / batch_size)
     out_dir = sft_output_dir(cfg).resolve()
     resume_from = resolve_resume(out_dir / "checkpoints", resume)
     sampler = EpochSampler(len(examples), batch_size, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
-    logger.info("SFT: %d conversations (%d truncated, %d dropped, %d bad rows skipped, %d tool results masked), "
-                "%d steps, %s", stats.kept, stats.truncated, stats.dropped_no_target, stats.skipped_bad,
-                stats.result_spans, total_steps, f"resuming from {resume_from}" if resume_from else "fresh start")
+    logger.info("SFT: %d conversations (%d truncated, %d dropped, %d bad rows skipped, %d tool results masked, "
+                "%d thinking prefixes stripped), %d steps, %s", stats.kept, stats.truncated, stats.dropped_no_target,
+                stats.skipped_bad, stats.result_spans, stats.prefix_stripped, total_steps,
+                f"resuming from {resume_from}" if resume_from else "fresh start")
 
     with StopRequest.install() as stop, connect_ray(cfg) as conn:
         stop.reinstall()  # Ray's start-up may have replaced the handlers

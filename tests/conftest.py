@@ -15,3 +15,29 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+
+# The real-vocabulary tiny checkpoints (the Qwen BPE tokenizer, megatron_arpo/tiny/qwen_tokenizer.py):
+# built once per machine (cached under .cache/tiny), shared by every tier.
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def qwen3_checkpoint():
+    from megatron_arpo.testing import tiny_checkpoint
+
+    return tiny_checkpoint("tiny-qwen3-qwen-vocab", tokenizer="qwen3")
+
+
+@pytest.fixture(scope="session")
+def qwq_checkpoint():
+    from megatron_arpo.testing import tiny_checkpoint
+
+    return tiny_checkpoint("tiny-qwq-qwen-vocab", tokenizer="qwq")
+
+
+@pytest.fixture(scope="session")
+def qwen3_tokenizer(qwen3_checkpoint):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(qwen3_checkpoint))

@@ -255,12 +255,10 @@ def load_prompt_files(paths: Sequence[str | os.PathLike], **kwargs: Any) -> tupl
     return records, all_stats
 
 
-def render_prompt(tokenizer: Any, record: PromptRecord) -> list[int]:
-    """Prompt token ids from the tokenizer's chat template, with the assistant turn opened."""
-    ids = tokenizer.apply_chat_template(list(record.messages), add_generation_prompt=True, tokenize=True)
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # BatchEncoding in newer transformers
-        ids = ids["input_ids"]
-    return list(ids)
+def render_prompt(chat: Any, record: PromptRecord) -> list[int]:
+    """Prompt token ids: the checkpoint's chat template with the assistant turn opened
+    (``chat``: a `megatron_arpo.data.chat.ChatFormat`)."""
+    return chat.render(record.messages)
 
 
 def filter_by_length(

@@ -6,23 +6,25 @@ accepted too, as is ``messages`` for ``conversations``. Roles: ``human``/``user`
 ``system``, ``observation``/``tool``/``function`` (a tool turn). A ``.json`` file holds a list of rows, a
 ``.jsonl`` file one row per line.
 
-Rendering is Qwen's ChatML, written out rather than taken from the tokenizer's template so the
-trained/masked boundaries are exact (and Qwen3's template rewrites the reasoning of earlier assistant
-turns, which SFT must not do):
+Rendering, with the tag protocol the rollout uses (`megatron_arpo.rollout.protocol.TagProtocol`):
 
-    <|im_start|>system\\n{system}<|im_end|>\\n          (mask 0)
-    <|im_start|>user\\n{text}<|im_end|>\\n              (mask 0)
+    chat.render(messages before the first assistant turn)   (mask 0; the checkpoint's chat template with the
+                                                               generation prompt: exactly an RL prompt)
+    {assistant text}                                        (mask 1, except tool results, see below)
+    <eos>                                                   (mask 1; the tokenizer's eos, <|im_end|> for Qwen)
+    \\n                                                     (mask 0)
+    later turns (multi-turn rows), ChatML as every supported model (qwen2, qwen3) uses:
+    <|im_start|>user\\n{text}<|im_end|>\\n                    (mask 0)
     <|im_start|>user\\n<tool_response>\\n{text}\\n</tool_response><|im_end|>\\n   (tool turn, mask 0, Qwen's layout)
-    <|im_start|>assistant\\n                           (mask 0)
-    {assistant text}<|im_end|>                        (mask 1, except tool results, see below)
-    \\n                                                (mask 0)
+    <|im_start|>assistant\\n{thinking prefix}                (mask 0), then the answer as above
 
-The prompt part is what ``tokenizer.apply_chat_template(..., add_generation_prompt=True)`` renders for
-the Qwen templates. Tool results inside an assistant turn — each ``<result>…</result>`` span together
-with the whitespace right before it, the same text the rollout injects (``" <result>\\n…\\n</result>"``)
-— get mask 0, and the text after ``</result>`` is trained again, exactly as in RL
-(ARPO_REFERENCE.md §3.2). An unclosed ``<result>`` masks the rest of the turn. Each piece is tokenized
-on its own (``add_special_tokens=False``), as the rollout tokenizes tool results on their own.
+When the template's generation prompt opens a thinking block (QwQ: ``<think>\\n``; see
+`megatron_arpo.data.chat`), the prompt already holds it, so an answer that starts with it has it stripped
+(counted in ``prefix_stripped``). Tool results inside an assistant turn — each ``<result>…</result>`` block
+with the whitespace before it — are re-spliced by `TagProtocol.encode_written_response`: mask 0, the same
+tokens the rollout splices for that payload (template text, payload as plain text), and the text after
+``</result>`` is trained again, exactly as in RL (ARPO_REFERENCE.md §3.2). An unclosed ``<result>`` masks
+the rest of the turn.
 
 Conversations longer than ``max_tokens`` are truncated (counted); ones left with no trained token are
 dropped (counted). A malformed row (bad JSON, not UTF-8, wrong shape) raises ``SFTDataError`` naming the
@@ -34,7 +36,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -45,8 +46,6 @@ logger = logging.getLogger(__name__)
 
 ROLE_ALIASES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                 "system": "system", "observation": "tool", "tool": "tool", "function": "tool"}
-RESULT_SPAN = re.compile(r"\s*<result>.*?</result>", re.DOTALL)
-UNCLOSED_RESULT = re.compile(r"\s*<result>", re.DOTALL)
 
 
 class SFTDataError(InputError):
@@ -68,6 +67,7 @@ class SFTLoadStats:
     dropped_no_target: int = 0
     result_spans: int = 0
     skipped_bad: int = 0
+    prefix_stripped: int = 0
     files: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
@@ -103,54 +103,53 @@ def normalize_conversation(row: Any, where: str) -> list[dict[str, str]]:
     return messages
 
 
-def split_tool_results(text: str) -> list[tuple[str, bool]]:
-    """``[(piece, trained)]`` of an assistant turn: tool-result spans (with leading whitespace) untrained."""
-    pieces: list[tuple[str, bool]] = []
-    pos = 0
-    for match in RESULT_SPAN.finditer(text):
-        if match.start() > pos:
-            pieces.append((text[pos:match.start()], True))
-        pieces.append((match.group(0), False))
-        pos = match.end()
-    rest = text[pos:]
-    unclosed = UNCLOSED_RESULT.search(rest)
-    if unclosed:
-        if unclosed.start() > 0:
-            pieces.append((rest[:unclosed.start()], True))
-        pieces.append((rest[unclosed.start():], False))
-    elif rest:
-        pieces.append((rest, True))
-    return pieces
+def _strip_prefix(content: str, prefix: str) -> tuple[str, bool]:
+    """The answer without the template's thinking prefix (already in the prompt), and whether it had it."""
+    if prefix and content.startswith(prefix):
+        return content[len(prefix):], True
+    stem = prefix.strip()
+    if stem and content.lstrip().startswith(stem):
+        return content.lstrip()[len(stem):].lstrip(), True
+    return content, False
 
 
-def render_pieces(messages: Sequence[dict[str, str]]) -> list[tuple[str, bool]]:
-    """The conversation as ChatML text pieces with their trained flag (see the module docstring)."""
-    pieces: list[tuple[str, bool]] = []
-    for msg in messages:
+def tokenize_conversation(chat: Any, messages: Sequence[dict[str, str]], max_tokens: int,
+                          protocol: Any = None) -> tuple[SFTExample, dict[str, int]]:
+    """``chat``: the checkpoint's `ChatFormat`; ``protocol``: its `TagProtocol` (default ``chat.protocol([])``).
+
+    Returns the example and counts (``result_spans``, ``prefix_stripped``).
+    """
+    protocol = protocol if protocol is not None else chat.protocol([])
+    first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    if first == 0:
+        raise SFTDataError("the conversation starts with an assistant turn; it needs a user question before it")
+    ids = chat.render(messages[:first])
+    mask = [0] * len(ids)
+    counts = {"result_spans": 0, "prefix_stripped": 0}
+
+    def add(text: str, trained: int) -> None:
+        piece = protocol.encode_text(text)
+        ids.extend(piece)
+        mask.extend([trained] * len(piece))
+
+    for index, msg in enumerate(messages[first:], start=first):
         role, content = msg["role"], msg["content"]
         if role == "assistant":
-            pieces.append(("<|im_start|>assistant\n", False))
-            pieces.extend(split_tool_results(content))
-            pieces.append(("<|im_end|>", True))
-            pieces.append(("\n", False))
+            if index > first:
+                add("<|im_start|>assistant\n" + protocol.response_prefix, 0)
+            content, stripped = _strip_prefix(content, protocol.response_prefix)
+            counts["prefix_stripped"] += int(stripped)
+            piece, piece_mask, blocks = protocol.encode_written_response(content)
+            counts["result_spans"] += blocks
+            ids.extend(piece + [protocol.eos_token_id])
+            mask.extend(piece_mask + [1])
+            add("\n", 0)
         elif role == "tool":
-            pieces.append((f"<|im_start|>user\n<tool_response>\n{content}\n</tool_response><|im_end|>\n", False))
+            add(f"<|im_start|>user\n<tool_response>\n{content}\n</tool_response><|im_end|>\n", 0)
         else:
-            pieces.append((f"<|im_start|>{role}\n{content}<|im_end|>\n", False))
-    return pieces
-
-
-def tokenize_conversation(tokenizer: Any, messages: Sequence[dict[str, str]], max_tokens: int) -> SFTExample:
-    ids: list[int] = []
-    mask: list[int] = []
-    for text, trained in render_pieces(messages):
-        if not text:
-            continue
-        piece = tokenizer.encode(text, add_special_tokens=False)
-        ids.extend(piece)
-        mask.extend([1 if trained else 0] * len(piece))
+            add(f"<|im_start|>{role}\n{content}<|im_end|>\n", 0)
     truncated = len(ids) > max_tokens
-    return SFTExample(ids[:max_tokens], mask[:max_tokens], truncated)
+    return SFTExample(ids[:max_tokens], mask[:max_tokens], truncated), counts
 
 
 def _iter_rows(path: Path) -> Iterable[tuple[str, Any]]:
@@ -213,14 +212,25 @@ def iter_conversations(paths: Sequence[str | os.PathLike], on_bad_row: str = "er
             yield messages
 
 
-def load_sft_examples(paths: Sequence[str | os.PathLike], tokenizer: Any, max_tokens: int,
+def load_sft_examples(paths: Sequence[str | os.PathLike], chat: Any, max_tokens: int,
                       on_bad_row: str = "error") -> tuple[list[SFTExample], SFTLoadStats]:
-    """Tokenized examples of every file, in order, and what was truncated, dropped or skipped."""
+    """Tokenized examples of every file, in order, and what was truncated, dropped or skipped
+    (``chat``: the checkpoint's `ChatFormat`)."""
+    protocol = chat.protocol([])
     stats = SFTLoadStats()
     examples: list[SFTExample] = []
     for messages in iter_conversations(paths, on_bad_row, stats):
-        stats.result_spans += sum(len(RESULT_SPAN.findall(m["content"])) for m in messages if m["role"] == "assistant")
-        example = tokenize_conversation(tokenizer, messages, max_tokens)
+        try:
+            example, counts = tokenize_conversation(chat, messages, max_tokens, protocol)
+        except SFTDataError as exc:  # a row without a question before the answer
+            if on_bad_row != "skip":
+                raise SFTDataError(f"SFT row {stats.rows} of {stats.files[-1]}: {exc}. Fix the row, or set "
+                                   "data.on_bad_row: skip to skip bad rows") from None
+            stats.skipped_bad += 1
+            stats.errors.append(str(exc))
+            continue
+        stats.result_spans += counts["result_spans"]
+        stats.prefix_stripped += counts["prefix_stripped"]
         if not any(example.loss_mask[1:]):
             stats.dropped_no_target += 1
             continue

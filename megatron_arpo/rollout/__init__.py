@@ -6,7 +6,8 @@ Modules (each imports its heavy dependencies itself; importing this package impo
   ``SegmentRequest``/``SegmentOutput``, ``EngineConfig``.
 - ``scripted``: ``ScriptedEngine`` (same interface, deterministic) and ``CharCodec`` for tests/benchmarks.
 - ``group``: ``RolloutGroup`` with sticky per-prompt routing.
-- ``protocol``: ``TagProtocol`` (tool stop tokens, query extraction, result tokenization).
+- ``protocol``: ``TagProtocol`` (closing tags as stop strings, tool calls found on text, result splicing;
+  shared with evaluation and the SFT data).
 - ``scheduler``: ``RolloutScheduler``/``RolloutOptions`` — ARPO/AEPO branching without round barriers.
 - ``trajectory``: records, JSONL save/load, ``records_to_batch`` replay into training tensors.
 - ``weight_sync``: ``sync_weights`` with object-store / CUDA-IPC / NCCL transports and ``verify_sync``.

@@ -20,9 +20,13 @@ Weights: ``load_weight_bucket(handle)`` receives one bucket through the transpor
 ``reset_prefix_cache()`` must follow a full sync. On GPU the same class runs vLLM with
 ``tensor_parallel_size`` from the config; only the weight transport differs.
 
-Stop handling: with ``skip_tokenizer_init=True`` vLLM does not know the EOS token, so callers pass EOS in
-``stop_token_ids`` together with the single-token tool closing tags. The stop token is included in the
-returned ``token_ids`` (checked with vLLM 0.32: ``finish_reason == "stop"`` and ``stop_reason`` = that id).
+Stop handling: callers pass the tool closing tags as stop strings (``stop``) and the EOS ids as
+``stop_token_ids``. Stop strings need vLLM's detokenizer, so the engine loads the checkpoint's tokenizer
+(``skip_tokenizer_init=False``, the default; a request with stop strings on an engine without one is an
+error). vLLM 0.32 returns the token ids up to and including the token that completed the stop string
+(``v1/engine/detokenizer.py`` drops later tokens of the step; ``finish_reason == "stop"``, ``stop_reason`` =
+the string) and the stop token itself for a stop id (``stop_reason`` = the id). Only token ids and log-probs
+are used; the output text is not (`megatron_arpo.rollout.protocol` decodes the segment itself).
 """
 
 from __future__ import annotations
@@ -90,7 +94,7 @@ class EngineConfig:
     max_num_seqs: Optional[int] = None
     max_num_batched_tokens: Optional[int] = None
     enforce_eager: bool = False
-    skip_tokenizer_init: bool = True
+    skip_tokenizer_init: bool = False       # True: no detokenizer, so no stop strings (token-id stops only)
     cpu_kv_cache_gib: float = 1.0
     cpu_omp_threads_bind: Optional[str] = None
     extra: dict[str, Any] = field(default_factory=dict)    # any other vllm.LLM keyword
@@ -251,6 +255,10 @@ class VllmEngine:
             raise RuntimeError(f"engine {self.engine_index} is broken: {self._error!r}") from self._error
         if request.max_tokens < 1:
             raise ValueError(f"request {request.request_id}: max_tokens={request.max_tokens} must be >= 1")
+        if request.stop and self.cfg.skip_tokenizer_init:
+            raise ValueError(f"request {request.request_id} has stop strings {request.stop} but engine "
+                             f"{self.engine_index} was started with skip_tokenizer_init=True (no detokenizer); start it "
+                             "with skip_tokenizer_init=False so it loads the checkpoint's tokenizer")
         loop = asyncio.get_running_loop()
         rid = f"{next(_REQUEST_COUNTER)}:{request.request_id}"
         fut = loop.create_future()
@@ -318,7 +326,7 @@ class VllmEngine:
                 n=1, max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
                 top_k=req.top_k, seed=req.seed, logprobs=req.logprobs,
                 stop_token_ids=list(req.stop_token_ids), stop=list(req.stop) or None,
-                allowed_token_ids=req.allowed_token_ids,
+                include_stop_str_in_output=True, allowed_token_ids=req.allowed_token_ids,
                 detokenize=not self.cfg.skip_tokenizer_init,
             )
             self._engine.add_request(rid, TokensPrompt(prompt_token_ids=list(req.prompt_token_ids)), params)

@@ -37,6 +37,12 @@ Rules, and where they differ from the reference (ARPO_REFERENCE.md §2, §4, §1
   its lineage at which it branched; copies inherit the incremented count, a boundary without a branch
   resets it. The reference counts per PROMPT, increments for fills too and leaves counters untouched in
   rounds where nobody branched (Q11).
+- **Tool calls** are found on text by `TagProtocol.find_call` (closing tags are the engine's stop strings):
+  the trajectory keeps the sampled tokens up to and including the one that completed the closing tag,
+  even when the tag ends inside it; tokens sampled after it (a tag split over the after-result probe
+  and its continuation, which the engine's stop check cannot see) are dropped and counted in
+  ``tokens_after_stop_dropped``. An engine stop that the segment's text does not explain (a vLLM
+  detokenizer artefact, see `_generate_segment`) continues the segment (``engine_stops_outside_segment``).
 - **Guards**: ``call_limit`` tool calls per trajectory (a call beyond it gets EOS appended with loss mask
   1 and the trajectory ends, as the reference); ``max_tokens`` of each request = that trajectory's
   remaining response budget (no overshoot, Q7; a result block that does not fit is cut and the
@@ -152,6 +158,7 @@ class _Live:
         self.rng = rng
         self.counted = counted          # False for AEPO pre-monitoring (not part of the group)
         self.pending_decision = False   # after_result: the next segment's probe decides
+        self.call: Any = None           # the StopMatch the last segment ended with (None: EOS or length)
         self.result_boundary = 0
         self.num_own_segments = 0
 
@@ -255,7 +262,8 @@ class _Run:
         self.stats: dict[str, float] = {
             "engine_requests": 0, "engine_prompt_tokens": 0, "engine_cached_tokens": 0, "generated_tokens": 0,
             "tool_calls": 0, "tool_errors": 0, "call_limit_hits": 0, "branches": 0, "fills": 0, "draws": 0,
-            "premonitor_tool_calls": 0, "premonitor_generated_tokens": 0,
+            "premonitor_tool_calls": 0, "premonitor_generated_tokens": 0, "tokens_after_stop_dropped": 0,
+            "engine_stops_outside_segment": 0,
         }
         ids = [p.prompt_id for p in prompts]
         if len(set(ids)) != len(ids):
@@ -392,7 +400,7 @@ class _Run:
         request_id = f"{self.call_key}:{t.traj_id}:s{live.num_own_segments}.{part}"
         req = SegmentRequest(
             request_id=request_id, prompt_token_ids=t.context(), max_tokens=max_tokens,
-            stop_token_ids=self.protocol.stop_token_ids,
+            stop_token_ids=self.protocol.stop_token_ids, stop=self.protocol.stop_strings,
             seed=_derive_seed(self.o.seed, self.call_key, t.traj_id, live.num_own_segments, part),
             temperature=0.0 if self.o.greedy else self.o.temperature,
             top_p=1.0 if self.o.greedy else self.o.top_p, top_k=-1 if self.o.greedy else self.o.top_k,
@@ -429,21 +437,40 @@ class _Run:
             out = await self._request(pr, live, 0, min(self.o.entropy_window, budget))
             parts = [out]
             self._decide(pr, live, self._entropy(out.top_logprobs), "after_result")
-            if out.finish_reason == "length" and self._budget(t)[0] > 0:
-                parts.append(await self._request(pr, live, 1, self._budget(t)[0]))
         else:
             parts = [await self._request(pr, live, 0, budget)]
-        last = parts[-1]
+        # Tool calls are found on the segment's text; the engine's stop reason is not trusted for them. A
+        # closing tag split over the probe and its continuation is invisible to the engine's stop check, and
+        # the engine may stop on a tag that is not in the segment: vLLM 0.32 primes its detokenizer with the
+        # whole context, and when the context ends inside a UTF-8 character (a probe cut mid-character) the
+        # first generated token's text comes back with the context's text, so a closing tag anywhere in the
+        # context (the system prompt has some) ends the request after one token. Such a segment goes on.
+        while True:
+            call = live.call = self.protocol.find_call(t.response_ids[start:])
+            last = parts[-1]
+            if call is not None or self.protocol.is_end(last.token_ids[-1]) or self._budget(t)[0] <= 0:
+                break
+            if last.finish_reason == "stop":
+                self.stats["engine_stops_outside_segment"] += 1
+                if self.stats["engine_stops_outside_segment"] == 1:
+                    logger.warning("engine stopped %s on %r, which is not in the segment's text (a tag in the "
+                                   "context, see the scheduler's notes); the segment continues", last.request_id,
+                                   last.stop_reason)
+            elif not (probe and len(parts) == 1):
+                break  # a request that ran to its max_tokens
+            parts.append(await self._request(pr, live, len(parts), self._budget(t)[0]))
         top = [entry for out in parts for entry in out.top_logprobs]
-        if last.finish_reason != "stop":
-            finish = "length"
-        elif self.protocol.is_end(last.stop_reason) or self.protocol.is_end(last.token_ids[-1]):
+        if call is not None:
+            keep = start + call.num_tokens
+            if keep < len(t.response_ids):  # sampled tokens after the tag's last token are not kept
+                self.stats["tokens_after_stop_dropped"] += len(t.response_ids) - keep
+                t.truncate(keep)
+                top = top[:call.num_tokens]
+            finish = f"tool:{call.tag}"
+        elif self.protocol.is_end(last.token_ids[-1]):
             finish = "eos"
-        elif last.token_ids[-1] in self.protocol.close_ids:
-            finish = f"tool:{self.protocol.close_ids[last.token_ids[-1]]}"
         else:
-            raise RuntimeError(f"engine stopped {last.request_id} on {last.stop_reason!r}, which is neither EOS "
-                               "nor a tool closing tag; stop strings are not supported by the scheduler")
+            finish = "length"
         seg = Segment(owner=t.traj_id, index=live.num_own_segments, start=start,
                       num_tokens=len(t.response_ids) - start, entropy=self._entropy(top), finish=finish,
                       num_requests=len(parts), num_prompt_tokens=parts[0].num_prompt_tokens,
@@ -465,8 +492,8 @@ class _Run:
             if live.counted:
                 self.stats["call_limit_hits"] += 1
             return
-        call = self.protocol.tool_call(t.response_ids[seg.start:])
-        assert call is not None, "segment finished on a tool tag but no call was parsed"
+        call = live.call
+        assert call is not None and call.num_tokens == seg.num_tokens, "a tool segment must end with its call"
         result = await self.s.tools.execute(call.tag, call.query)
         result_ids = self.protocol.encode_result(result.text)
         budget = self._budget(t)[0]

@@ -3,10 +3,12 @@
 Used by the scheduler's bookkeeping tests (ARPO_REFERENCE.md §11.7) and by benchmarks/rollout.py, where
 the comparison must be deterministic. The "policy" is a function of the context: ``script(context_ids,
 request) -> ScriptedStep`` gives the intended continuation and, per position, the top-k log-probs the
-engine reports. The engine then behaves like vLLM: it emits that continuation until a token in
-``stop_token_ids`` (included in the output, as vLLM does) or ``max_tokens``, and returns the log-prob of
-each emitted token (from the step's table; the sampled token is not added to the top-k pool, so a scripted
-pool is exactly what the entropy sees).
+engine reports. The engine then behaves like vLLM 0.32: it emits that continuation until a token in
+``stop_token_ids`` (included in the output), a stop string (``request.stop``: after each token the
+decoded output, special tokens skipped, is searched, and the output ends with the token that completed
+the string, as vLLM's detokenizer does) or ``max_tokens``, and returns the log-prob of each emitted token
+(from the step's table; the sampled token is not added to the top-k pool, so a scripted pool is exactly
+what the entropy sees). ``tokenizer`` decodes for the stop strings (default: a `CharCodec`).
 
 It also simulates a block prefix cache (``num_cached_tokens`` per request, hit counters) and keeps a
 dict of HF-named "weights" so the weight-sync code can be exercised without vLLM. ``latency_s`` (a number
@@ -56,10 +58,11 @@ class CharCodec:
     def token_id(self, token: str) -> int:
         return self._special_ids[token]
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False, split_special_tokens: bool = False) -> list[int]:
+        """``split_special_tokens=True`` encodes special-token text character by character (plain text)."""
         ids, i = [], 0
         while i < len(text):
-            for tok in self._match_order:
+            for tok in () if split_special_tokens else self._match_order:
                 if text.startswith(tok, i):
                     ids.append(self._special_ids[tok])
                     i += len(tok)
@@ -112,8 +115,10 @@ class ScriptedEngine:
         block_size: int = 16,
         max_model_len: int = 1 << 20,
         event_log: Optional[list] = None,
+        tokenizer: Any = None,
     ):
         self.script = script
+        self.tokenizer = tokenizer if tokenizer is not None else CharCodec()
         self.engine_index = engine_index
         self.latency_s = latency_s
         self.per_token_latency_s = per_token_latency_s
@@ -141,7 +146,7 @@ class ScriptedEngine:
             step = self.script(context, request)
             tokens, top = [], []
             stops = set(request.stop_token_ids)
-            finish, stop_reason = "length", None
+            finish, stop_reason, text = "length", None, ""
             for pos, tok in enumerate(step.token_ids):
                 if len(tokens) >= request.max_tokens:
                     break
@@ -149,6 +154,10 @@ class ScriptedEngine:
                 top.append(self._table(step.top_logprobs, pos))
                 if tok in stops:
                     finish, stop_reason = "stop", int(tok)
+                    break
+                text, matched = self._stop_string(text, int(tok), request.stop)
+                if matched is not None:
+                    finish, stop_reason = "stop", matched
                     break
             if not tokens:
                 raise ValueError(f"script produced no tokens for request {request.request_id}")
@@ -169,6 +178,19 @@ class ScriptedEngine:
             )
         finally:
             self._in_flight -= 1
+
+    def _stop_string(self, text: str, token: int, stop: Sequence[str]) -> tuple[str, Optional[str]]:
+        """(output text, the stop string this token completed or None); the string ending first wins.
+
+        Token-by-token decoding: a byte-level token that is part of a multi-byte character decodes to a
+        replacement character on its own, which never forms (ASCII) tag text."""
+        if not stop:
+            return text, None
+        new = self.tokenizer.decode([token], skip_special_tokens=True)
+        text += new
+        window = text[-(len(new) + max(len(s) for s in stop)):]
+        ends = [(window.find(s) + len(s), i, s) for i, s in enumerate(stop) if s in window]
+        return text, (min(ends)[2] if ends else None)
 
     @staticmethod
     def _table(spec: Any, pos: int) -> dict[int, float]:

@@ -130,6 +130,12 @@ class Trajectory:
         self.response_logprobs.extend(float(x) for x in logprobs)
         self.loss_mask.extend([mask] * len(token_ids))
 
+    def truncate(self, length: int) -> None:
+        """Drop response tokens from ``length`` on (sampled tokens after a stop; no segment or call covers them)."""
+        if not 0 <= length <= len(self.response_ids):
+            raise ValueError(f"truncate to {length} outside the response (length {len(self.response_ids)})")
+        del self.response_ids[length:], self.response_logprobs[length:], self.loss_mask[length:]
+
     def fork(self, traj_id: str, index: int, at_offset: int) -> "Trajectory":
         """A child sharing this trajectory's response up to ``at_offset`` (a tool-result boundary)."""
         if not 0 <= at_offset <= len(self.response_ids):
@@ -215,18 +221,25 @@ def load_records(path: str | os.PathLike) -> list[Trajectory]:
     return out
 
 
-def score_trajectories(trajectories: Iterable[Trajectory], reward_fn: Any, tokenizer: Any,
+def score_trajectories(trajectories: Iterable[Trajectory], reward_fn: Any, decoder: Any,
                        ground_truths: dict[str, Any], data_source: Optional[str] = None) -> list[float]:
-    """Set ``reward`` on every trajectory: ``reward_fn(decoded response, ground truth of its prompt)``.
+    """Set ``reward`` on every trajectory: ``reward_fn(response text, ground truth of its prompt)``.
 
-    The response (tool results included) is decoded with ``skip_special_tokens=True`` as the reference's
-    reward manager does; ``reward_fn`` has the `megatron_arpo.rewards` signature.
+    ``decoder``: the rollout's `TagProtocol` (its ``response_text``: the template's thinking prefix, then the
+    response decoded with special tokens skipped, tool results included, as the reference's reward manager
+    decodes), or a bare tokenizer (decoded the same way, no prefix). ``reward_fn`` has the
+    `megatron_arpo.rewards` signature.
     """
+    if hasattr(decoder, "response_text"):
+        text_of = decoder.response_text
+    else:
+        def text_of(ids: Sequence[int]) -> str:
+            return decoder.decode(list(ids), skip_special_tokens=True)
     rewards = []
     for traj in trajectories:
         if traj.prompt_id not in ground_truths:
             raise KeyError(f"no ground truth for prompt {traj.prompt_id!r} (trajectory {traj.traj_id})")
-        text = tokenizer.decode(traj.response_ids, skip_special_tokens=True)
+        text = text_of(traj.response_ids)
         traj.reward = float(reward_fn(text, ground_truths[traj.prompt_id], data_source=data_source))
         rewards.append(traj.reward)
     return rewards

@@ -12,7 +12,9 @@ No hub downloads are possible here, so every test and the demo builds its model 
   of :func:`weight_specs` — linear/embedding weights ~ N(0, 0.02), RMSNorm and q/k-norm weights 1.0, Qwen2's
   q/k/v biases ~ N(0, 0.02) (not zero, so the bias path is exercised). Tied models have no
   ``lm_head.weight`` tensor, as in HF's tied releases;
-- the tokenizer files from :mod:`megatron_arpo.tiny.tokenizer` (vocabulary size = ``vocab_size``).
+- the tokenizer files from :mod:`megatron_arpo.tiny.tokenizer` (vocabulary size = ``vocab_size``), or with
+  ``tokenizer="qwen3"|"qwq"`` the real Qwen tokenizer, chat template and generation_config of that release
+  (:mod:`megatron_arpo.tiny.qwen_tokenizer`; see ``TOKENIZER_KINDS``).
 
 The same seed gives byte-identical files: JSON is written with sorted keys and no versions or timestamps,
 safetensors orders its header deterministically and carries only ``{"format": "pt"}`` as metadata. The
@@ -105,27 +107,50 @@ def _resolve(model_config: ModelConfig | str | os.PathLike) -> ModelConfig:
 
 
 
-def _write_checkpoint_files(cfg: ModelConfig, out: Path, seed: int) -> None:
+# Tokenizers a tiny checkpoint can carry. "local": the small trained tokenizer (vocabulary = vocab_size,
+# tool tags as added tokens; fast). "qwen3" / "qwq": the real Qwen BPE (151,643 regular tokens + 26 added,
+# megatron_arpo.testing.qwen_tokenizer) with that release's chat template and generation_config; the
+# model config must then have the release's padded vocab_size (151,936 Qwen3, 152,064 QwQ-32B).
+TOKENIZER_KINDS = ("local", "qwen3", "qwq")
+
+
+def _write_tokenizer(kind: str, cfg: ModelConfig, out: Path) -> dict:
+    if kind == "local":
+        return build_tokenizer(cfg.vocab_size, out)
+    if kind not in TOKENIZER_KINDS:
+        raise ValueError(f"tokenizer {kind!r} is not one of {', '.join(TOKENIZER_KINDS)}")
+    from megatron_arpo.testing.qwen_tokenizer import ADDED_TOKENS, build_qwen_tokenizer
+
+    if cfg.vocab_size <= ADDED_TOKENS[-1][0]:
+        raise ValueError(f"model config {cfg.name!r}: vocab_size {cfg.vocab_size} cannot hold the Qwen tokenizer "
+                         f"(ids up to {ADDED_TOKENS[-1][0]}); use a config with vocab_size 151936 or 152064")
+    return build_qwen_tokenizer(out, kind)
+
+
+def _write_checkpoint_files(cfg: ModelConfig, out: Path, seed: int, tokenizer: str = "local") -> None:
     from safetensors.torch import save as save_safetensors
 
-    token_ids = build_tokenizer(cfg.vocab_size, out)
+    token_ids = _write_tokenizer(tokenizer, cfg, out)
     hf_cfg = hf_config_dict(dataclasses.replace(cfg, bos_token_id=token_ids["bos_token_id"],
                                                 eos_token_id=token_ids["eos_token_id"]))
     hf_cfg["pad_token_id"] = token_ids["pad_token_id"]
+    hf_cfg.update(token_ids.get("config_fields", {}))
     write_bytes_atomic(out / "config.json", dump_json(hf_cfg))
-    generation = {"bos_token_id": token_ids["bos_token_id"], "pad_token_id": token_ids["pad_token_id"],
-                  "eos_token_id": [token_ids["eos_token_id"], token_ids["pad_token_id"]]}
+    generation = token_ids.get("generation_config") or {
+        "bos_token_id": token_ids["bos_token_id"], "pad_token_id": token_ids["pad_token_id"],
+        "eos_token_id": [token_ids["eos_token_id"], token_ids["pad_token_id"]]}
     write_bytes_atomic(out / "generation_config.json", dump_json(generation))
     weights = build_weights(cfg, seed)
     write_bytes_atomic(out / "model.safetensors", save_safetensors(weights, metadata={"format": "pt"}))
 
 
 def build_tiny_checkpoint(model_config: ModelConfig | str | os.PathLike, out_dir: str | os.PathLike,
-                          seed: int = 0, overwrite: bool = False) -> Path:
+                          seed: int = 0, overwrite: bool = False, tokenizer: str = "local") -> Path:
     """Write a tiny HF checkpoint (weights, configs, tokenizer) for ``model_config`` to ``out_dir``.
 
     ``model_config`` is a :class:`ModelConfig` or a name/path for ``load_model_config`` ("tiny-qwen3").
-    An existing non-empty ``out_dir`` is an error unless ``overwrite=True``. Returns ``out_dir`` as a Path.
+    An existing non-empty ``out_dir`` is an error unless ``overwrite=True``. ``tokenizer``: one of
+    TOKENIZER_KINDS. Returns ``out_dir`` as a Path.
     """
     cfg = _resolve(model_config)
     out = Path(out_dir).absolute()
@@ -137,7 +162,7 @@ def build_tiny_checkpoint(model_config: ModelConfig | str | os.PathLike, out_dir
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         tmp.chmod(0o755)
-        _write_checkpoint_files(cfg, tmp, seed)
+        _write_checkpoint_files(cfg, tmp, seed, tokenizer)
         fsync_path(tmp)
         if out.is_dir() and any(out.iterdir()):  # overwrite=True (checked above)
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
@@ -163,7 +188,7 @@ def default_cache_root() -> Path:
     return Path(env) / "tiny" if env else REPO_ROOT / ".cache" / "tiny"
 
 
-def checkpoint_fingerprint(cfg: ModelConfig, seed: int) -> str:
+def checkpoint_fingerprint(cfg: ModelConfig, seed: int, tokenizer: str = "local") -> str:
     """Hash of everything that determines the bytes of ``build_tiny_checkpoint(cfg, seed=seed)``."""
     import safetensors
     import tokenizers
@@ -178,23 +203,32 @@ def checkpoint_fingerprint(cfg: ModelConfig, seed: int) -> str:
                              sort_keys=True, default=str).encode())
     for module_file in (__file__, tokenizer_module.__file__, model_config_module.__file__):
         digest.update(Path(module_file).read_bytes())
+    if tokenizer != "local":
+        import transformers
+
+        from megatron_arpo.testing import qwen_tokenizer
+
+        digest.update(f"tokenizer={tokenizer};transformers={transformers.__version__}".encode())
+        for source in qwen_tokenizer.fingerprint_sources():
+            digest.update(source.read_bytes())
     return digest.hexdigest()
 
 
 def tiny_checkpoint(name: ModelConfig | str | os.PathLike, seed: int = 0,
-                    root: str | os.PathLike | None = None) -> Path:
-    """A cached ``build_tiny_checkpoint`` result: built once per (config name, seed, code version).
+                    root: str | os.PathLike | None = None, tokenizer: str = "local") -> Path:
+    """A cached ``build_tiny_checkpoint`` result: built once per (config name, seed, tokenizer, code version).
 
     Safe under concurrent callers: the directory appears atomically, and a loser of a build race uses the
     winner's (identical) build.
     """
     cfg = _resolve(name)
     cache_root = Path(root) if root is not None else default_cache_root()
-    path = cache_root / f"{cfg.name}-seed{seed}-{checkpoint_fingerprint(cfg, seed)[:16]}"
+    kind = "" if tokenizer == "local" else f"-{tokenizer}"
+    path = cache_root / f"{cfg.name}{kind}-seed{seed}-{checkpoint_fingerprint(cfg, seed, tokenizer)[:16]}"
     if path.is_dir() and any(path.iterdir()):
         return path
     try:
-        return build_tiny_checkpoint(cfg, path, seed=seed)
+        return build_tiny_checkpoint(cfg, path, seed=seed, tokenizer=tokenizer)
     except FileExistsError:
         if path.is_dir() and any(path.iterdir()):
             return path

@@ -3,7 +3,8 @@
 ``start_runtime(cfg, resume)`` builds, in this order (each step fails fast with a message naming the
 config key to fix, and everything already started is stopped again on failure):
 
-1. tokenizer, train/validation prompts (rendered with the chat template, filtered by
+1. tokenizer and chat format (template, EOS ids from generation_config.json, thinking prefix:
+   ``megatron_arpo.data.chat``), train/validation prompts (rendered with the chat template, filtered by
    ``data.max_prompt_tokens``), the epoch sampler and the number of steps;
 2. which checkpoint to resume from (``trainer.checkpointing.resolve_resume``), and the tools (they run
    in this process) with one probe call per tool — both before Ray starts, so a bad ``--resume`` or a
@@ -57,7 +58,8 @@ class PromptSet:
         return len(self.records)
 
 
-def load_prompt_set(files: list[str], data: Any, tokenizer: Any) -> PromptSet:
+def load_prompt_set(files: list[str], data: Any, chat: Any) -> PromptSet:
+    """``chat``: the checkpoint's `ChatFormat` (its template renders the prompts)."""
     from megatron_arpo.data.datasets import DEFAULT_SYSTEM_PROMPT, filter_by_length, load_prompt_files, render_prompt
 
     from megatron_arpo.config import BUILTIN_REWARDS
@@ -65,7 +67,7 @@ def load_prompt_set(files: list[str], data: Any, tokenizer: Any) -> PromptSet:
     records, stats = load_prompt_files(files, fmt=data.format, on_bad_row=data.on_bad_row,
                                        system_prompt=data.system_prompt or DEFAULT_SYSTEM_PROMPT,
                                        strict_answers=data.reward in BUILTIN_REWARDS)
-    token_ids = [render_prompt(tokenizer, r) for r in records]
+    token_ids = [render_prompt(chat, r) for r in records]
     keep, dropped = filter_by_length(records, token_ids, data.max_prompt_tokens)
     for s in stats:
         logger.info("%s: %d rows, %d loaded, %d malformed skipped", s.path, s.rows, s.loaded, s.skipped_bad)
@@ -99,6 +101,7 @@ class Runtime:
     run_dir: Path
     loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.new_event_loop)
     tokenizer: Any = None
+    chat: Any = None                  # megatron_arpo.data.chat.ChatFormat
     train: Optional[PromptSet] = None
     val: Optional[PromptSet] = None
     sampler: Any = None
@@ -309,7 +312,7 @@ def start_runtime(cfg: Any, resume: str) -> Runtime:
     from megatron_arpo.data.sampler import EpochSampler
     from megatron_arpo.rewards import get_reward_fn
     from megatron_arpo.rollout.group import RolloutGroup
-    from megatron_arpo.rollout.protocol import TagProtocol, checkpoint_eos_token_ids
+    from megatron_arpo.data.chat import load_chat_format
     from megatron_arpo.rollout.scheduler import RolloutOptions, RolloutScheduler
     from megatron_arpo.rollout.weight_sync import make_transport
     from megatron_arpo.tools.registry import build_tools
@@ -321,10 +324,10 @@ def start_runtime(cfg: Any, resume: str) -> Runtime:
         rt.run_dir.mkdir(parents=True, exist_ok=True)
         hf_dir = cfg.model.hf_checkpoint
         rt.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or hf_dir)
-        if cfg.data.chat_template:
-            rt.tokenizer.chat_template = Path(cfg.data.chat_template).read_text()
-        rt.train = load_prompt_set(cfg.data.train_files, cfg.data, rt.tokenizer)
-        rt.val = load_prompt_set(cfg.data.val_files, cfg.data, rt.tokenizer) if cfg.data.val_files else None
+        rt.chat = load_chat_format(rt.tokenizer, hf_dir, tokenizer_dir=cfg.model.tokenizer,
+                                   chat_template_file=cfg.data.chat_template, enable_thinking=cfg.data.enable_thinking)
+        rt.train = load_prompt_set(cfg.data.train_files, cfg.data, rt.chat)
+        rt.val = load_prompt_set(cfg.data.val_files, cfg.data, rt.chat) if cfg.data.val_files else None
         rt.total_steps = count_steps(cfg, len(rt.train))
         rt.sampler = EpochSampler(len(rt.train), cfg.trainer.train_batch_size, seed=cfg.data.seed,
                                   shuffle=cfg.data.shuffle)
@@ -337,7 +340,7 @@ def start_runtime(cfg: Any, resume: str) -> Runtime:
             logger.info("tool cache: %s (snapshot in every checkpoint)", tools_cfg["cache"]["path"])
         rt.tools = build_tools(tools_cfg)
         _probe_tools(rt)
-        rt.protocol = TagProtocol(rt.tokenizer, rt.tools.tags, extra_eos_token_ids=checkpoint_eos_token_ids(hf_dir))
+        rt.protocol = rt.chat.protocol(rt.tools.tags)
         rt.options = RolloutOptions.from_config(cfg.rollout, allowed_token_ids=_allowed_ids(cfg, rt.tokenizer))
         rt.tied_embeddings = resolved_model(cfg).tie_word_embeddings
         transport_kind = _transport_kind(cfg)

@@ -73,7 +73,7 @@ def score(rt: Any, result: Any, prompts: list, prompt_set: Any, indices: list[in
     sources = {}
     for prompt, index, group in zip(prompts, indices, result.groups):
         record = prompt_set.records[index]
-        score_trajectories(group, rt.reward_fn, rt.tokenizer, {prompt.prompt_id: record.ground_truth},
+        score_trajectories(group, rt.reward_fn, rt.protocol, {prompt.prompt_id: record.ground_truth},
                            data_source=record.data_source)
         sources[prompt.prompt_id] = record.data_source
     return sources

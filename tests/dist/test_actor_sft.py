@@ -69,10 +69,11 @@ def test_sft_cli_lowers_loss_and_exports_hf(tmp_path):
     assert max((tuned[k] - base[k]).abs().max().item() for k in base) > 1e-3
     # The exported checkpoint is the trained model: transformers' NLL on a training conversation's
     # assistant tokens fell as the trainer's did.
+    from megatron_arpo.data.chat import load_chat_format
     from megatron_arpo.data.sft import normalize_conversation, tokenize_conversation
 
     tok = AutoTokenizer.from_pretrained(str(hf))
-    ex = tokenize_conversation(tok, normalize_conversation(_conversation(0), "row"), 128)
+    ex, _ = tokenize_conversation(load_chat_format(tok, hf), normalize_conversation(_conversation(0), "row"), 128)
     ids = torch.tensor([ex.input_ids])
     mask = torch.tensor(ex.loss_mask[1:], dtype=torch.float64)
 

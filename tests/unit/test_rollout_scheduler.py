@@ -469,18 +469,25 @@ def test_load_records_names_the_bad_line(tmp_path):
         load_records(bad)
 
 
-def test_protocol_rejects_multi_token_tags_and_encodes_results_once():
-    class Split(CharCodec):
-        def encode(self, text, add_special_tokens=False):
-            return [ord(c) for c in text]
-
-    with pytest.raises(ValueError, match="single token"):
-        TagProtocol(Split(), ["search"])
-    protocol = TagProtocol(CODEC, ["search"])
+def test_protocol_finds_calls_on_text_and_splices_results_once():
+    protocol = TagProtocol(CODEC, ["search", "python"])
+    assert protocol.stop_strings == ["</search>", "</python>"] and protocol.stop_token_ids == [CODEC.eos_token_id]
     assert CODEC.decode(protocol.encode_result("x")) == " <result>\nx\n</result>"
     seg = CODEC.encode("<search>old</search> then <search> new q </search>")
-    assert protocol.tool_call(seg).query == "new q"
-    assert protocol.tool_call(CODEC.encode("no call")) is None
+    call = protocol.find_call(seg)  # the FIRST closing tag ends the segment; its own opening tag gives the query
+    assert (call.tag, call.query, call.num_tokens) == ("search", "old", len(CODEC.encode("<search>old</search>")))
+    assert protocol.find_call(CODEC.encode("no call")) is None
+    assert protocol.find_call(CODEC.encode("stray</python> more")).query == ""
+    # The closing tag that ENDS first wins (the engine's rule), whatever the order of the tags.
+    assert protocol.find_call(CODEC.encode("<python>a<search>b</search></python>")).tag == "search"
+
+
+def test_tags_are_multi_token_text_for_a_codec_without_tag_tokens():
+    codec = CharCodec(special_tokens=("<EOS>",))  # every tag is plain characters, one token each
+    protocol = TagProtocol(codec, ["search"])
+    seg = codec.encode("<search>q1</search>tail")
+    call = protocol.find_call(seg)
+    assert (call.query, call.num_tokens, call.trailing_text) == ("q1", len("<search>q1</search>"), "")
 
 
 def test_a_failing_trajectory_fails_the_call_without_hanging():
@@ -509,15 +516,8 @@ def test_rewards_from_the_shared_reward_function():
     assert [t.reward for t in result.trajectories()] == rewards
 
 
-def test_protocol_ends_on_every_checkpoint_eos(tmp_path):
-    import json
-
-    from megatron_arpo.rollout.protocol import checkpoint_eos_token_ids
-
-    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 989}))
-    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [989, 987]}))
-    ids = checkpoint_eos_token_ids(tmp_path)
-    assert ids == [989, 987]
-    protocol = TagProtocol(CODEC, ["search"], extra_eos_token_ids=[12345])
+def test_protocol_ends_on_every_listed_eos():
+    protocol = TagProtocol(CODEC, ["search"], eos_token_ids=[CODEC.eos_token_id, 12345])
     assert protocol.is_end(12345) and protocol.is_end(protocol.eos_token_id)
-    assert 12345 in protocol.stop_token_ids and not protocol.is_end(protocol.stop_token_ids[0])
+    assert protocol.eos_token_id == CODEC.eos_token_id  # the first listed: appended at the call limit
+    assert protocol.stop_token_ids == sorted({CODEC.eos_token_id, 12345})

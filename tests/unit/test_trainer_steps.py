@@ -95,12 +95,14 @@ def test_load_prompt_set_renders_and_filters(tmp_path):
 
     from megatron_arpo.testing import tiny_checkpoint
 
+    from megatron_arpo.data.chat import load_chat_format
+
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_checkpoint("tiny-qwen3")))
     rows = [{"question": "short?", "answer": "a"}, {"question": "long " * 80, "answer": "b"}]
     path = tmp_path / "q.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     cfg = config(data={"system_prompt": "Be brief.", "max_prompt_tokens": 64})
-    prompts = runtime.load_prompt_set([str(path)], cfg.data, tokenizer)
+    prompts = runtime.load_prompt_set([str(path)], cfg.data, load_chat_format(tokenizer, tiny_checkpoint("tiny-qwen3")))
     assert len(prompts) == 1 and prompts.num_dropped == 1
     assert "Be brief." in tokenizer.decode(prompts.token_ids[0]) and prompts.records[0].ground_truth == "a"
 
