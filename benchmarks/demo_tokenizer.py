@@ -61,7 +61,7 @@ def _sets(items: dict[str, str]) -> list[str]:
 def prepare(out: Path, sft_rows: int) -> dict[str, dict]:
     from megatron_arpo.data.demo_tasks import ensure_demo_tasks
     from megatron_arpo.model_config import load_model_config
-    from megatron_arpo.testing import build_tiny_checkpoint
+    from megatron_arpo.tiny.checkpoint import build_tiny_checkpoint
 
     paths = ensure_demo_tasks(out / "data", 0)
     subset = out / "data" / "sft_subset.jsonl"

@@ -109,7 +109,7 @@ def _resolve(model_config: ModelConfig | str | os.PathLike) -> ModelConfig:
 
 # Tokenizers a tiny checkpoint can carry. "local": the small trained tokenizer (vocabulary = vocab_size,
 # tool tags as added tokens; fast). "qwen3" / "qwq": the real Qwen BPE (151,643 regular tokens + 26 added,
-# megatron_arpo.testing.qwen_tokenizer) with that release's chat template and generation_config; the
+# megatron_arpo.tiny.qwen_tokenizer) with that release's chat template and generation_config; the
 # model config must then have the release's padded vocab_size (151,936 Qwen3, 152,064 QwQ-32B).
 TOKENIZER_KINDS = ("local", "qwen3", "qwq")
 
@@ -119,7 +119,7 @@ def _write_tokenizer(kind: str, cfg: ModelConfig, out: Path) -> dict:
         return build_tokenizer(cfg.vocab_size, out)
     if kind not in TOKENIZER_KINDS:
         raise ValueError(f"tokenizer {kind!r} is not one of {', '.join(TOKENIZER_KINDS)}")
-    from megatron_arpo.testing.qwen_tokenizer import ADDED_TOKENS, build_qwen_tokenizer
+    from megatron_arpo.tiny.qwen_tokenizer import ADDED_TOKENS, build_qwen_tokenizer
 
     if cfg.vocab_size <= ADDED_TOKENS[-1][0]:
         raise ValueError(f"model config {cfg.name!r}: vocab_size {cfg.vocab_size} cannot hold the Qwen tokenizer "
@@ -206,7 +206,7 @@ def checkpoint_fingerprint(cfg: ModelConfig, seed: int, tokenizer: str = "local"
     if tokenizer != "local":
         import transformers
 
-        from megatron_arpo.testing import qwen_tokenizer
+        from megatron_arpo.tiny import qwen_tokenizer
 
         digest.update(f"tokenizer={tokenizer};transformers={transformers.__version__}".encode())
         for source in qwen_tokenizer.fingerprint_sources():
