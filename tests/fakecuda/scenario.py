@@ -3,7 +3,7 @@
 SPEC: ``{"model", "tp", "pp", "dp", "ranks", "sequence_parallel", "recompute", "hf_dir", "work_dir"}``. The ranks run
 one after the other in this process; a later rank receives the object messages an earlier one sent
 (the last stage's metrics and export metadata reach the first stage). Each rank runs the actor
-worker's GPU paths under ``megatron_arpo.testing.fake_cuda``: init_model (HF weights),
+worker's GPU paths under ``megatron_arpo.actor.fake_cuda``: init_model (HF weights),
 compute_log_probs with entropy, a PPO update with AEPO entropy-aware advantages (its entropy pass)
 and the optimizer step, sft_step, checkpoint save and load, the weight export for sync (the streamed
 buckets and the host snapshot) and write_hf_checkpoint; then a reference-role worker's log-probs.
@@ -59,7 +59,7 @@ def describe(tensor) -> dict:
 
 
 def run(spec: dict) -> dict:
-    from megatron_arpo.testing.fake_cuda import fake_cuda
+    from megatron_arpo.actor.fake_cuda import fake_cuda
 
     world = spec["tp"] * spec["pp"] * spec["dp"]
     peers = {k: [base64.b64decode(m) for m in v] for k, v in (spec.get("peer_messages") or {}).items()}
@@ -174,7 +174,7 @@ def run_ranks(spec: dict) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    from megatron_arpo.testing.fake_cuda import FakeCudaUnavailable, load_guard
+    from megatron_arpo.actor.fake_cuda import FakeCudaUnavailable, load_guard
 
     spec = json.loads(Path(argv[0]).read_text())
     try:

@@ -1,4 +1,4 @@
-"""The actor's GPU code paths, run on fake CUDA devices (megatron_arpo.testing.fake_cuda): tiny-qwen3
+"""The actor's GPU code paths, run on fake CUDA devices (megatron_arpo.actor.fake_cuda): tiny-qwen3
 (tied embeddings, q/k norm) and tiny-qwq (QKV bias, untied), first and last pipeline stage of
 TP=2 PP=2 DP=2, with and without sequence parallelism (with SP: selective and full recompute).
 

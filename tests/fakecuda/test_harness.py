@@ -71,7 +71,7 @@ def test_refuses_to_share_a_process_with_the_cpu_compat_layer(child):
 
 def test_no_compiler_means_unavailable_with_the_reason(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-c", "from megatron_arpo.testing.fake_cuda import load_guard, FakeCudaUnavailable\n"
+        [sys.executable, "-c", "from megatron_arpo.actor.fake_cuda import load_guard, FakeCudaUnavailable\n"
          "try:\n    load_guard()\nexcept FakeCudaUnavailable as exc:\n    print('UNAVAILABLE', exc)\n"],
         capture_output=True, text=True, timeout=300,
         env={**os.environ, "CXX": "no-such-c++", "MEGATRON_ARPO_FAKE_CUDA_CACHE": str(tmp_path)})
@@ -162,7 +162,7 @@ def check_compat(fc):
 
 
 if __name__ == "__main__":
-    from megatron_arpo.testing import fake_cuda
+    from megatron_arpo.actor import fake_cuda
 
     try:
         fake_cuda.load_guard()

@@ -83,8 +83,8 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from megatron_arpo.testing.fake_gaps import install_host_io, install_megatron_gaps, install_module_moves
-from megatron_arpo.testing.fake_reads import DataReadMode, HostFunctionMode, _tensors_in
+from megatron_arpo.actor.fake_gaps import install_host_io, install_megatron_gaps, install_module_moves
+from megatron_arpo.actor.fake_reads import DataReadMode, HostFunctionMode, _tensors_in
 
 logger = logging.getLogger(__name__)
 
@@ -204,7 +204,7 @@ def _install_cuda_stubs(patches: _Patches, device: _DeviceState, num_devices: in
         device.index = idx
         guard.set_device(idx)
 
-    props = SimpleNamespace(name="Fake H100 (megatron_arpo.testing.fake_cuda)", major=DEVICE_CAPABILITY[0],
+    props = SimpleNamespace(name="Fake H100 (megatron_arpo.actor.fake_cuda)", major=DEVICE_CAPABILITY[0],
                             minor=DEVICE_CAPABILITY[1], total_memory=DEVICE_MEMORY_BYTES,
                             multi_processor_count=132, is_integrated=False, is_multi_gpu_board=False,
                             L2_cache_size=50 * 2**20, warp_size=32, gcnArchName="", uuid="fake")
