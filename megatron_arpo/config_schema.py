@@ -93,7 +93,7 @@ class RolloutSection:
     entropy_window: int = _f(20, ge=1, help="tokens after a tool result that the entropy is measured on")
     entropy_estimator: Literal["reference", "mean"] = _f("reference")
     branch_timing: Literal["after_result", "reference"] = _f("after_result")
-    logprobs_topk: int = _f(10, ge=1, help="top-k logprobs per generated token")
+    logprobs_topk: int = _f(10, ge=1, help="top-k log-probs per position of the entropy window (other tokens: the sampled one's only)")
     variant: Literal["arpo", "aepo"] = _f("arpo", help="branching rule")
     dynamic_initial_rollouts: bool = _f(False, help="AEPO entropy pre-monitoring sets initial_rollouts per prompt")
     initial_entropy_tokens: int = _f(50, ge=1, help="AEPO pre-monitoring: tokens sampled for H_root")

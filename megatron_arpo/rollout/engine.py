@@ -1,7 +1,8 @@
 """Rollout engines: `VllmEngine` around `vllm.LLM`, its Ray actor factory, and the request/response types.
 
-An engine takes token ids and returns token ids, the sampled tokens' log-probs and the top-k log-probs per
-generated position (the pool ARPO's segment entropy is computed from). Prefix caching is on, so a branch
+An engine takes token ids and returns token ids, the sampled tokens' log-probs and the top-k log-probs of
+the leading generated positions a request asks for (``top_logprobs_positions``: the pool ARPO's segment
+entropy is computed from; the rest are trimmed before the output leaves the engine). Prefix caching is on, so a branch
 that shares its parent's context re-uses the parent's KV blocks on the same engine.
 
 Continuous batching without a round barrier: ``await engine.generate(request)`` queues one request and
@@ -50,6 +51,9 @@ __all__ = [
 ]
 
 
+MAX_ALLOWED_TOKEN_IDS = 1024  # vllm/v1/worker/gpu/sample/logit_bias.py refuses more (vLLM 0.32)
+
+
 @dataclass
 class SegmentRequest:
     """One generation request: continue ``prompt_token_ids`` until a stop token or ``max_tokens``."""
@@ -64,7 +68,20 @@ class SegmentRequest:
     top_p: float = 1.0
     top_k: int = -1
     logprobs: int = 10                              # top-k alternatives returned per generated position
-    allowed_token_ids: Optional[list[int]] = None   # restrict sampling (e.g. to the tokenizer's real ids)
+    # ... for the first N generated positions only (None = all); the sampled token's log-prob is always
+    # returned. The engine trims before the output leaves its process (vLLM computes top-k for every
+    # position of a request that asks for any); with 0 it asks vLLM for the sampled log-prob alone.
+    top_logprobs_positions: Optional[int] = None
+    # Sample only these ids (tests steer a random tiny model with a handful). Training never restricts: a
+    # trained model does not sample Qwen's padded LM-head rows, and the scheduler checks the sampled ids
+    # after the fact. vLLM's GPU model runner takes at most MAX_ALLOWED_TOKEN_IDS.
+    allowed_token_ids: Optional[list[int]] = None
+
+    def __post_init__(self) -> None:
+        if self.allowed_token_ids is not None and not 0 < len(self.allowed_token_ids) <= MAX_ALLOWED_TOKEN_IDS:
+            raise ValueError(f"request {self.request_id}: allowed_token_ids has {len(self.allowed_token_ids)} ids; "
+                             f"vLLM's GPU model runner takes 1 to {MAX_ALLOWED_TOKEN_IDS}: pass a small set, or None "
+                             "for the whole vocabulary (the scheduler checks the sampled ids)")
 
 
 @dataclass
@@ -72,7 +89,7 @@ class SegmentOutput:
     request_id: str
     token_ids: list[int]
     logprobs: list[float]                  # log-prob of each sampled token
-    top_logprobs: list[dict[int, float]]   # per position: top-k alternatives plus the sampled token
+    top_logprobs: list[dict[int, float]]   # per position (up to top_logprobs_positions): top-k plus the sampled token
     finish_reason: str                     # "stop" (a stop token/string or EOS) | "length"
     stop_reason: Optional[int | str]       # the stop token id / string, None for length
     num_prompt_tokens: int
@@ -240,6 +257,7 @@ class VllmEngine:
                     time.monotonic() - start, self.max_model_len)
         self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-engine")
         self._futures: dict[str, asyncio.Future] = {}
+        self._top_positions: dict[str, Optional[int]] = {}   # request id -> top_logprobs_positions
         self._to_add: list[tuple[str, SegmentRequest]] = []
         self._to_abort: list[str] = []
         self._wake: Optional[asyncio.Event] = None
@@ -259,6 +277,9 @@ class VllmEngine:
             raise ValueError(f"request {request.request_id} has stop strings {request.stop} but engine "
                              f"{self.engine_index} was started with skip_tokenizer_init=True (no detokenizer); start it "
                              "with skip_tokenizer_init=False so it loads the checkpoint's tokenizer")
+        if request.top_logprobs_positions is not None and request.top_logprobs_positions < 0:
+            raise ValueError(f"request {request.request_id}: top_logprobs_positions="
+                             f"{request.top_logprobs_positions} must be >= 0 (or None for every position)")
         loop = asyncio.get_running_loop()
         rid = f"{next(_REQUEST_COUNTER)}:{request.request_id}"
         fut = loop.create_future()
@@ -321,10 +342,13 @@ class VllmEngine:
 
         if aborts:
             self._engine.abort_request(aborts)
+            for rid in aborts:
+                self._top_positions.pop(rid, None)
         for rid, req in adds:
+            self._top_positions[rid] = req.top_logprobs_positions
             params = SamplingParams(
                 n=1, max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
-                top_k=req.top_k, seed=req.seed, logprobs=req.logprobs,
+                top_k=req.top_k, seed=req.seed, logprobs=0 if req.top_logprobs_positions == 0 else req.logprobs,
                 stop_token_ids=list(req.stop_token_ids), stop=list(req.stop) or None,
                 include_stop_str_in_output=True, allowed_token_ids=req.allowed_token_ids,
                 detokenize=not self.cfg.skip_tokenizer_init,
@@ -342,11 +366,17 @@ class VllmEngine:
     def _convert(self, out: Any) -> SegmentOutput:
         comp = out.outputs[0]
         token_ids = list(comp.token_ids)
+        window = self._top_positions.pop(out.request_id, None)
+        window = len(token_ids) if window is None else window
         top, sampled = [], []
-        for tok, pos in zip(token_ids, comp.logprobs or [None] * len(token_ids)):
-            entry = {} if pos is None else {int(t): float(lp.logprob) for t, lp in pos.items()}
-            top.append(entry)
-            sampled.append(entry.get(int(tok), float("nan")))
+        for i, (tok, pos) in enumerate(zip(token_ids, comp.logprobs or [None] * len(token_ids))):
+            if i < window:
+                entry = {} if pos is None else {int(t): float(lp.logprob) for t, lp in pos.items()}
+                top.append(entry)
+                sampled.append(entry.get(int(tok), float("nan")))
+            else:  # past the window only the sampled token's log-prob leaves the engine
+                lp = None if pos is None else pos.get(int(tok))
+                sampled.append(float("nan") if lp is None else float(lp.logprob))
         num_prompt = len(out.prompt_token_ids or [])
         cached = int(out.num_cached_tokens or 0)
         self._stats["requests"] += 1

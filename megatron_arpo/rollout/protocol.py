@@ -124,6 +124,8 @@ class TagProtocol:
     ``<|im_end|>`` and ``<|endoftext|>``); the first is the one appended when a trajectory hits its call
     limit. Default: the tokenizer's ``eos_token_id``. ``vocab_size`` is |V| for the entropy normaliser
     (default ``len(tokenizer)``). ``response_prefix``: see the module docstring.
+    ``num_token_ids`` is ``len(tokenizer)`` whatever ``vocab_size`` says: a sampled id at or above it is
+    a padded LM-head row (the scheduler refuses it).
     """
 
     def __init__(self, tokenizer: Any, tool_tags: Sequence[str], *, eos_token_ids: Optional[Sequence[int]] = None,
@@ -143,6 +145,7 @@ class TagProtocol:
         self.vocab_size = int(vocab_size if vocab_size is not None else len(tokenizer))
         if result_template.count("{payload}") != 1:
             raise ValueError(f"result_template {result_template!r} must contain '{{payload}}' exactly once")
+        self.num_token_ids = len(tokenizer)  # sampled ids must be below it (the LM head may be padded)
         self.result_template = result_template
         self._result_before, self._result_after = result_template.split("{payload}")
         self.response_prefix = response_prefix

@@ -12,7 +12,10 @@ Rules, and where they differ from the reference (ARPO_REFERENCE.md §2, §4, §1
   barrier (every active trajectory finishes its segment and tool call before any starts the next one);
   it exists to measure the difference (benchmarks/rollout.py).
 - **Entropy.** `segment_entropy` over the first ``entropy_window`` generated tokens of a segment, from the
-  engine's top-k log-probs; estimator ``reference`` (the reference's value) or ``mean``.
+  engine's top-k log-probs; estimator ``reference`` (the reference's value) or ``mean``. Only those
+  positions carry top-k (``SegmentRequest.top_logprobs_positions``): every other generated token comes
+  back with its sampled log-prob alone: 3-6x fewer bytes and Python objects cross from the engines per
+  generated token, more the longer the segments (benchmarks/RESULTS.md). AEPO's H_root uses the same window of its ``initial_entropy_tokens`` sample.
 - **Baseline H0** is the entropy of the first segment of the trajectory's path (the segment generated
   from the prompt). It lives on the trajectory, so it is fresh for every rollout call and keyed by
   trajectory (fixes Q1). Branch copies inherit their parent's H0 (the reference gives a copy the
@@ -98,8 +101,8 @@ class RolloutOptions:
     scheduler: str = "async"
     max_model_len: Optional[int] = None
     greedy: bool = False
-    # Sampling restricted to these ids (the reference passes the tokenizer's ids so padded LM-head rows
-    # are never sampled); None = the whole LM head.
+    # Test steering only: sampling restricted to these ids (at most 1024, vLLM's GPU limit). Training never
+    # sets it (no 151k-id allow-list per request): the sampled ids are checked after the fact instead.
     allowed_token_ids: Optional[tuple[int, ...]] = None
 
     def __post_init__(self) -> None:
@@ -395,7 +398,10 @@ class _Run:
         if live.counted:
             self.stats["generated_tokens"] += sum(s.num_tokens for s in t.segments if s.owner == t.traj_id)
 
-    async def _request(self, pr: _PromptRun, live: _Live, part: int, max_tokens: int) -> SegmentOutput:
+    async def _request(self, pr: _PromptRun, live: _Live, part: int, max_tokens: int,
+                       top_positions: int) -> SegmentOutput:
+        """``top_positions``: leading generated positions whose top-k the entropy needs (the rest of the
+        segment only returns the sampled tokens' log-probs)."""
         t = live.traj
         request_id = f"{self.call_key}:{t.traj_id}:s{live.num_own_segments}.{part}"
         req = SegmentRequest(
@@ -404,12 +410,17 @@ class _Run:
             seed=_derive_seed(self.o.seed, self.call_key, t.traj_id, live.num_own_segments, part),
             temperature=0.0 if self.o.greedy else self.o.temperature,
             top_p=1.0 if self.o.greedy else self.o.top_p, top_k=-1 if self.o.greedy else self.o.top_k,
-            logprobs=self.o.logprobs_topk,
+            logprobs=self.o.logprobs_topk, top_logprobs_positions=top_positions,
             allowed_token_ids=None if self.o.allowed_token_ids is None else list(self.o.allowed_token_ids),
         )
         out = await pr.engine.generate(req)
         if not out.token_ids:
             raise RuntimeError(f"engine {pr.engine.index} returned no tokens for {request_id}")
+        beyond = [i for i in out.token_ids if i >= self.protocol.num_token_ids]
+        if beyond:  # sampling is not restricted (no 151k-id allow-list per request): check what came back
+            raise RuntimeError(f"engine {pr.engine.index} sampled token id {beyond[0]} for {request_id}, beyond the "
+                               f"tokenizer's {self.protocol.num_token_ids} ids (a padded LM-head row); the policy's "
+                               f"LM head and the tokenizer disagree: check model.hf_checkpoint and model.tokenizer")
         if len(out.token_ids) > max_tokens:
             raise RuntimeError(f"engine {pr.engine.index} returned {len(out.token_ids)} tokens for {request_id} "
                                f"with max_tokens={max_tokens}")
@@ -434,11 +445,12 @@ class _Run:
         probe = live.pending_decision and self._slots(pr) > 0
         live.pending_decision = False
         if probe:
-            out = await self._request(pr, live, 0, min(self.o.entropy_window, budget))
+            window = self.o.entropy_window
+            out = await self._request(pr, live, 0, min(window, budget), window)
             parts = [out]
             self._decide(pr, live, self._entropy(out.top_logprobs), "after_result")
         else:
-            parts = [await self._request(pr, live, 0, budget)]
+            parts = [await self._request(pr, live, 0, budget, self.o.entropy_window)]
         # Tool calls are found on the segment's text; the engine's stop reason is not trusted for them. A
         # closing tag split over the probe and its continuation is invisible to the engine's stop check, and
         # the engine may stop on a tag that is not in the segment: vLLM 0.32 primes its detokenizer with the
@@ -458,7 +470,9 @@ class _Run:
                                    last.stop_reason)
             elif not (probe and len(parts) == 1):
                 break  # a request that ran to its max_tokens
-            parts.append(await self._request(pr, live, len(parts), self._budget(t)[0]))
+            done = len(t.response_ids) - start  # top-k only for what is left of the window
+            parts.append(await self._request(pr, live, len(parts), self._budget(t)[0],
+                                             max(0, self.o.entropy_window - done)))
         top = [entry for out in parts for entry in out.top_logprobs]
         if call is not None:
             keep = start + call.num_tokens
@@ -561,7 +575,8 @@ class _Run:
                           origin="premonitor", parent_id=None, branch_offset=None,
                           prompt_token_ids=list(pr.spec.token_ids), engine_index=pr.engine.index)
         root_live = _Live(root, pr.rng.spawn(root.traj_id), counted=False)
-        out = await self._request(pr, root_live, 0, max(1, min(self.o.initial_entropy_tokens, self._budget(root)[0])))
+        out = await self._request(pr, root_live, 0, max(1, min(self.o.initial_entropy_tokens, self._budget(root)[0])),
+                                  self.o.entropy_window)
         h_root = self._entropy(out.top_logprobs)
         tool_traj = dataclasses.replace(root, traj_id=f"{probe_id}-tool", response_ids=[], response_logprobs=[],
                                         loss_mask=[], segments=[], tool_calls=[], decisions=[])

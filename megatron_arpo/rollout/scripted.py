@@ -162,6 +162,8 @@ class ScriptedEngine:
             if not tokens:
                 raise ValueError(f"script produced no tokens for request {request.request_id}")
             sampled = [t.get(tok, max(t.values()) if t else 0.0) for tok, t in zip(tokens, top)]
+            if request.top_logprobs_positions is not None:  # as VllmEngine: top-k for the leading positions only
+                top = top[:request.top_logprobs_positions]
             latency = self.latency_s(request) if callable(self.latency_s) else self.latency_s
             latency += self.per_token_latency_s * len(tokens)
             await asyncio.sleep(latency)

@@ -341,7 +341,7 @@ def start_runtime(cfg: Any, resume: str) -> Runtime:
         rt.tools = build_tools(tools_cfg)
         _probe_tools(rt)
         rt.protocol = rt.chat.protocol(rt.tools.tags)
-        rt.options = RolloutOptions.from_config(cfg.rollout, allowed_token_ids=_allowed_ids(cfg, rt.tokenizer))
+        rt.options = RolloutOptions.from_config(cfg.rollout)
         rt.tied_embeddings = resolved_model(cfg).tie_word_embeddings
         transport_kind = _transport_kind(cfg)
         logger.info("run %s: %d train prompts (%d too long), %s val prompts, %d steps, %s", cfg.name, len(rt.train),
@@ -390,14 +390,6 @@ def _transport_kind(cfg: Any) -> str:
         raise RuntimeError(f"rollout.sync_transport={kind!r} needs a sender on actor rank 0, which the actor group "
                            f"does not provide yet; set rollout.sync_transport: object_store (or auto)")
     return "object_store"
-
-
-def _allowed_ids(cfg: Any, tokenizer: Any) -> Optional[tuple[int, ...]]:
-    """Sampling restricted to the tokenizer's ids when the LM head is larger (padded vocab rows)."""
-    from megatron_arpo.config import resolved_model
-
-    vocab = resolved_model(cfg).vocab_size
-    return tuple(range(len(tokenizer))) if len(tokenizer) < vocab else None
 
 
 def _start_metrics_logger(rt: Runtime) -> None:

@@ -183,6 +183,28 @@ def test_weight_sync_changes_generation(engine, tokenizer, ckpt):
     assert restored.logprobs == pytest.approx(before.logprobs, abs=1e-5)
 
 
+def test_top_logprobs_only_for_the_leading_positions(engine, tokenizer):
+    """The engine trims the top-k to the positions a request asks for (0: vLLM returns the sampled log-prob
+    alone); sampling does not depend on it: same seed, same tokens, same sampled log-probs."""
+    prompt = prompts(tokenizer)[1].token_ids
+
+    async def generate(tag, positions):
+        return await engine.generate(SegmentRequest(tag, prompt, max_tokens=40, seed=11, logprobs=5,
+                                                    top_logprobs_positions=positions))
+
+    async def scenario():
+        return [await generate(tag, n) for tag, n in (("all", None), ("window", 6), ("none", 0))]
+
+    every, window, none = asyncio.run(scenario())
+    assert len(every.token_ids) > 6
+    assert every.token_ids == window.token_ids == none.token_ids
+    assert window.logprobs == pytest.approx(every.logprobs, abs=1e-6)
+    assert none.logprobs == pytest.approx(every.logprobs, abs=1e-6)
+    assert all(math.isfinite(x) for x in none.logprobs)
+    assert len(every.top_logprobs) == len(every.token_ids) and all(len(t) >= 5 for t in every.top_logprobs)
+    assert window.top_logprobs == every.top_logprobs[:6] and none.top_logprobs == []
+
+
 def test_engine_starts_after_llvmlite_was_loaded(tmp_path):
     """vLLM's kernel-rebinding scan used to crash once bm25s (numba -> llvmlite) had been imported."""
     import subprocess

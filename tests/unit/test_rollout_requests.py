@@ -1,0 +1,130 @@
+"""What the scheduler asks the engines for, and what it checks in what comes back (issue 12, items 5-6).
+
+- No allow-list rides on a request (vLLM 0.32's GPU runner refuses more than 1024 ids; Qwen's tokenizer
+  has 151k): the sampled ids are checked when they come back instead.
+- Top-k log-probs only where the entropy reads them: the first ``entropy_window`` generated positions of
+  every segment (the after-result probe, a whole segment, AEPO's H_root sample); a probe's continuation
+  asks for none. The decisions, entropies and AEPO's pre-monitoring are the same as with top-k for
+  every position.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+import pytest
+
+from megatron_arpo.rollout.engine import MAX_ALLOWED_TOKEN_IDS, SegmentRequest
+from megatron_arpo.rollout.group import RolloutGroup
+from megatron_arpo.rollout.protocol import TagProtocol
+from megatron_arpo.rollout.scheduler import RolloutOptions, RolloutPrompt, RolloutScheduler
+from megatron_arpo.rollout.scripted import ScriptedEngine, ScriptedStep
+from megatron_arpo.tools.base import ToolExecutor
+from test_rollout_scheduler import CODEC, PROMPT, RESULT, ScriptedSearch, make_scheduler, run, table
+
+WINDOW = 8
+
+
+def test_a_sampled_id_beyond_the_tokenizer_fails_naming_the_engine_and_request():
+    padded_row = len(CODEC)  # the first id the tokenizer cannot decode: a padded LM-head row
+
+    def script(context, request):
+        assert request.allowed_token_ids is None  # training never restricts sampling
+        if context.count(RESULT) >= 1:
+            return ScriptedStep(CODEC.encode("ok") + [padded_row], table((0.5, 0.5)))
+        return ScriptedStep(CODEC.encode("<search>a</search>"), table((0.5, 0.5)))
+
+    sched, _ = make_scheduler(script, n=2, initial_rollouts=2)
+    with pytest.raises(RuntimeError, match=rf"engine 0 sampled token id {padded_row} for 0:b/[01]:s1\.0, beyond "
+                                           rf"the tokenizer's {len(CODEC)} ids \(a padded LM-head row\)"):
+        run(sched, [RolloutPrompt("b", PROMPT)])
+    sched, _ = make_scheduler(lambda c, r: ScriptedStep(CODEC.encode("fine<EOS>"), table((1.0,))), n=2,
+                              initial_rollouts=2)
+    assert all(t.finish_reason == "eos" for t in run(sched, [RolloutPrompt("a", PROMPT)]).trajectories())
+
+
+def test_an_allow_list_is_small_or_refused():
+    assert SegmentRequest("r", [1], 4, allowed_token_ids=[1, 2, 3]).allowed_token_ids == [1, 2, 3]
+    with pytest.raises(ValueError, match=rf"request r: allowed_token_ids has {MAX_ALLOWED_TOKEN_IDS + 1} ids; vLLM's "
+                                         rf"GPU model runner takes 1 to {MAX_ALLOWED_TOKEN_IDS}"):
+        SegmentRequest("r", [1], 4, allowed_token_ids=list(range(MAX_ALLOWED_TOKEN_IDS + 1)))
+
+
+def position_tables(n: int = 40) -> list:
+    """A different distribution at every position: any misaligned or missing top-k changes an entropy."""
+    return [table((0.5 + 0.45 * math.sin(p) ** 2, 0.5 - 0.45 * math.sin(p) ** 2, 0.01 * (p + 1))) for p in range(n)]
+
+
+def tool_script(rounds: int = 2):
+    """Segments of 30 tokens and more (longer than the window), searching ``rounds`` times, then answering."""
+    def script(context, request):
+        r = context.count(RESULT)
+        g = len(context)
+        text = (f"<think>{g}:{'x' * 24}</think><search>q{r}</search>" if r < rounds else
+                f"<think>{g}:{'y' * 24}</think><answer>\\boxed{{x}}</answer><EOS>")
+        return ScriptedStep(CODEC.encode(text), position_tables())
+    return script
+
+
+class EveryPositionEngine(ScriptedEngine):
+    """The volume before the cut: top-k for every generated position, whatever the request says."""
+
+    async def generate(self, request):
+        return await super().generate(dataclasses.replace(request, top_logprobs_positions=None))
+
+
+def rollout(engine_cls, **options):
+    engine = engine_cls(tool_script(), engine_index=0)
+    executor = ToolExecutor([ScriptedSearch()], timeout_s=10, retries=0)
+    protocol = TagProtocol(CODEC, ["search", "python"], vocab_size=98)
+    opts = RolloutOptions(n=4, initial_rollouts=2, beam_size=2, branch_threshold=0.6, entropy_weight=0.2,
+                          entropy_window=WINDOW, call_limit=3, response_length=400, seed=3, **options)
+    scheduler = RolloutScheduler(RolloutGroup([engine]), executor, protocol, opts)
+    return run(scheduler, [RolloutPrompt("p", PROMPT), RolloutPrompt("q", CODEC.encode("Q1"))]), engine
+
+
+def decisions(result) -> list:
+    return [(t.traj_id, [(round(s.entropy, 12), s.start, s.num_tokens) for s in t.segments],
+             [(d.at_offset, round(d.h_now, 12), round(d.h0, 12), d.u, d.branched) for d in t.decisions],
+             t.response_ids, t.response_logprobs) for t in result.trajectories()]
+
+
+@pytest.mark.parametrize("options", [
+    {"branch_timing": "after_result"},
+    {"branch_timing": "reference"},
+    {"branch_timing": "after_result", "variant": "aepo", "dynamic_initial_rollouts": True,
+     "initial_entropy_tokens": 30},
+], ids=["after_result", "reference", "aepo-premonitoring"])
+def test_top_k_only_in_the_entropy_window_changes_no_decision(options):
+    trimmed, engine = rollout(ScriptedEngine, **options)
+    full, _ = rollout(EveryPositionEngine, **options)
+    assert decisions(trimmed) == decisions(full)
+    assert [p.get("premonitor") for p in trimmed.prompt_info] == [p.get("premonitor") for p in full.prompt_info]
+    assert trimmed.stats["branches"] >= 1
+    seen = set()
+    for req in engine.requests:
+        kind = ("premonitor-root" if "premonitor-root" in req.request_id else
+                "continuation" if re.search(r":s\d+\.1$", req.request_id) else "segment")
+        seen.add(kind)
+        assert req.top_logprobs_positions == (0 if kind == "continuation" else WINDOW), req.request_id
+    expected = {"segment"} | ({"continuation"} if options["branch_timing"] == "after_result" else set())
+    if options.get("dynamic_initial_rollouts"):
+        expected.add("premonitor-root")
+        assert all(p["premonitor"]["h_root"] > 0 for p in trimmed.prompt_info)
+    assert seen == expected
+
+
+def test_an_engine_trims_the_top_k_but_keeps_every_sampled_log_prob():
+    import asyncio
+
+    from megatron_arpo.rollout.engine import SegmentRequest
+
+    engine = ScriptedEngine(lambda c, r: ScriptedStep(CODEC.encode("y" * 30), position_tables()))
+    full = asyncio.run(engine.generate(SegmentRequest("a", PROMPT, max_tokens=30)))
+    cut = asyncio.run(engine.generate(SegmentRequest("b", PROMPT, max_tokens=30, top_logprobs_positions=WINDOW)))
+    none = asyncio.run(engine.generate(SegmentRequest("c", PROMPT, max_tokens=30, top_logprobs_positions=0)))
+    assert len(full.top_logprobs) == 30 and cut.top_logprobs == full.top_logprobs[:WINDOW] and none.top_logprobs == []
+    assert cut.token_ids == full.token_ids == none.token_ids
+    assert cut.logprobs == full.logprobs == none.logprobs
