@@ -534,6 +534,12 @@ def validate(cfg: ExperimentConfig) -> list[str]:
         elif a.data_parallel is not None and tp * pp * a.data_parallel != actor_pool:
             errors.append(f"actor.data_parallel: {a.data_parallel} gives a world of {tp * pp * a.data_parallel} "
                           f"but there are {actor_pool} actor devices; set it to {actor_pool // (tp * pp)} or null")
+    if t.placement == "separate":
+        for key, on in (("rollout.enable_sleep_mode", r.enable_sleep_mode), ("actor.offload", a.offload)):
+            if on:
+                errors.append(f"{key}: true frees GPU memory for the other side of a colocated GPU, but "
+                              f"trainer.placement is 'separate' (actor and engines own their GPUs); set {key}: "
+                              f"false, or trainer.placement: colocated")
     rollout_pool = t.rollout_devices if t.placement == "separate" else devices
     if rollout_pool is not None and r.num_engines * r.tensor_parallel > rollout_pool:
         errors.append(f"rollout.num_engines x rollout.tensor_parallel = {r.num_engines * r.tensor_parallel} "

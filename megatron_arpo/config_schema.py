@@ -66,6 +66,7 @@ class ActorSection:
     use_te: Literal["auto", "true", "false"] = _f("auto", help="Transformer Engine layer spec; auto = when importable on GPU (else a loud fallback, refused at >= 8192-token micro-batches)")
     seed: int = _f(1234, ge=0)
     checkpoint: ActorCheckpointSection = _f(factory=ActorCheckpointSection)
+    offload: bool = _f(False, help="colocated: grad buffers freed and optimizer state in host memory between updates (the weights stay)")
 
     @property
     def use_te_flag(self) -> bool | None:
@@ -108,6 +109,8 @@ class RolloutSection:
     verify_sync: bool = _f(False, help="checksum sampled tensors on both sides of every weight sync")
     sync_bucket_mb: int = _f(512, ge=1, help="weight-sync bucket size")
     sync_transport: Literal["auto", "object_store", "cuda_ipc", "nccl"] = _f("auto")
+    enable_sleep_mode: bool = _f(False, help="colocated: vLLM sleeps while the actor trains (CUDA; on CPU the same phase switch runs and frees nothing)")
+    sleep_level: int = _f(2, ge=1, le=2, help="1: weights kept in host memory while asleep; 2: dropped (the sync after every update re-sends them)")
 
 
 # ----------------------------------------------------------------------------------------- algorithm

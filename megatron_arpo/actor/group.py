@@ -19,6 +19,9 @@ Every call is collective over the whole group:
   (padding fraction, tokens/s) becomes the replica mean.
 - ``save``/``load`` return rank 0's answer; ``export_weights`` returns rank 0's buckets (the others
   take part in the TP gathers / PP broadcasts and return nothing).
+- ``offload_state``/``onload_state`` (colocated ``actor.offload``): every rank's grad buffers and
+  optimizer state leave the GPU and come back; returns the slowest rank's seconds and the largest rank's
+  bytes.
 
 Each call waits at most the matching ``trainer.timeouts`` value; a failing or dead rank raises
 ``WorkerGroupError`` naming the rank, its node and the method.
@@ -191,6 +194,25 @@ class ActorGroup:
         results = self.workers.call_all("export_weights", bucket_bytes,
                                         timeout=self.timeouts.sync_s if timeout is None else timeout)
         return results[0]
+
+    # -- colocated memory ----------------------------------------------------------------------------
+
+    def offload_state(self, timeout: Optional[float] = None) -> dict[str, float]:
+        """Every rank frees its grad buffers and moves its optimizer state to the host (the weights stay)."""
+        return self._state_move("offload", timeout)
+
+    def onload_state(self, timeout: Optional[float] = None) -> dict[str, float]:
+        """Every rank brings its optimizer state back and reallocates its grad buffers (zeroed)."""
+        return self._state_move("onload", timeout)
+
+    def _state_move(self, direction: str, timeout: Optional[float]) -> dict[str, float]:
+        results = self.workers.call_all(f"{direction}_state",
+                                        timeout=self.timeouts.update_s if timeout is None else timeout)
+        out: dict[str, float] = {}
+        for r in results:  # seconds: the slowest rank; bytes: the largest rank
+            for key, value in r.items():
+                out[key] = max(out.get(key, 0.0), float(value))
+        return out
 
     def shutdown(self) -> None:
         """The workers' own ``shutdown`` (process groups), then kill the actors and free their bundles."""

@@ -16,6 +16,9 @@ group (gloo on CPU, NCCL on GPU) unless one exists, builds Megatron's TP/PP/DP g
 - ``save(dir, extra_state, step=None)``, ``load(dir)`` -> extra state (see ``megatron_arpo.actor.checkpoint``).
 - ``export_weights(bucket_bytes)`` -> list of buckets of ``(hf_name, full tensor)`` on global rank 0
   (``[]`` elsewhere); every rank of DP replica 0 must call it (TP gather / PP broadcast inside).
+- ``offload_state()`` / ``onload_state()`` (policy): grad buffers freed and optimizer state moved to the
+  host between updates, and back (``megatron_arpo.actor.offload``; colocated ``actor.offload``). An
+  update refuses to run offloaded; a save or load onloads for its duration.
 - ``shutdown()``.
 
 Batches are plain data, one shard per DP rank (:func:`megatron_arpo.actor.packing.split_for_data_parallel`);
@@ -31,6 +34,7 @@ call the same methods in the same order.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
@@ -101,6 +105,7 @@ class MegatronActorWorker:
         self.rank, self.world_size = rank, world_size
         self.step = 0
         self.model = self.ddp_model = self.chunk = self.optimizer = self.scheduler = self.rope = None
+        self.offloader = None
         self.hf_dir = None
         rollout = getattr(cfg, "rollout", None)
         self.temperature = float(getattr(rollout, "temperature", 1.0)) if rollout is not None else 1.0
@@ -155,6 +160,9 @@ class MegatronActorWorker:
                 optim_settings = settings_from_actor(self.actor, total_steps or self._derived_total_steps())
             self.optimizer, self.scheduler = build_optimizer([ddp], optim_settings, self.params_dtype)
             model.config.grad_scale_func = self.optimizer.scale_loss
+            from megatron_arpo.actor.offload import StateOffloader
+
+            self.offloader = StateOffloader([ddp], self.optimizer, model.parameters(), collective_device())
         padded = self.model_cfg.padded_vocab_size(self.tp)
         self.vocab = VocabInfo(vocab_start=self.tp_rank * (padded // self.tp), vocab_size=self.model_cfg.vocab_size,
                                tp_group=parallel_state.get_tensor_model_parallel_group(),
@@ -206,6 +214,26 @@ class MegatronActorWorker:
             raise RuntimeError("call init_model() before using the worker")
         if policy and self.role != "policy":
             raise RuntimeError(f"this worker has role {self.role!r}; training and saving need role 'policy'")
+
+    def _require_resident(self, what: str) -> None:
+        if self.offloader is not None and self.offloader.offloaded:
+            raise RuntimeError(f"rank {self.rank}: {what} with the optimizer state offloaded; call onload_state() "
+                               f"first (the colocated phase switch, megatron_arpo.trainer.phases, does it)")
+
+    def offload_state(self) -> dict[str, float]:
+        """Grad buffers freed, optimizer state to the host (``megatron_arpo.actor.offload``); the weights stay."""
+        self._compat()
+        self._require()
+        return self.offloader.offload() if self.offloader is not None else {}
+
+    def onload_state(self) -> dict[str, float]:
+        self._compat()
+        self._require()
+        return self.offloader.onload() if self.offloader is not None else {}
+
+    def offloaded_bytes(self) -> dict[str, int]:
+        """What the grad buffers and the optimizer state hold on the device now."""
+        return self.offloader.resident_bytes() if self.offloader is not None else {}
 
     @property
     def _pad_multiple(self) -> int:
@@ -265,6 +293,7 @@ class MegatronActorWorker:
         self._require(policy=True)
         from megatron.core import parallel_state
 
+        self._require_resident("update")
         s = self.loss_settings
         need = ["input_ids", "loss_mask", "advantages", "old_logprobs"] + (["ref_logprobs"] if s.kl_coef > 0 else [])
         missing = [k for k in need if k not in batch]
@@ -371,6 +400,7 @@ class MegatronActorWorker:
         """One optimizer step of token-mean NLL over the loss-masked tokens of the (global) batch."""
         self._compat()
         self._require(policy=True)
+        self._require_resident("sft_step")
         from megatron.core import parallel_state
 
         seqs = [_as_list(x) for x in batch["input_ids"]]
@@ -421,13 +451,26 @@ class MegatronActorWorker:
         if export_hf is None:
             export_hf = bool(trainer.export_hf_on_save) if trainer is not None else False
         ck = self.actor.checkpoint
-        path = save_checkpoint(
-            dir, self.step if step is None else step, model=self.model,
-            optimizer=self.optimizer if ck.save_optimizer else None, scheduler=self.scheduler,
-            model_cfg=self.model_cfg, layout=self._layout(), extra_state=extra_state, keep_last=keep_last,
-            tokenizer_dir=self._tokenizer_dir(), fully_parallel=ck.fully_parallel_save,
-            hf_writer=self.write_hf_checkpoint if export_hf else None)
+        with self._resident():
+            path = save_checkpoint(
+                dir, self.step if step is None else step, model=self.model,
+                optimizer=self.optimizer if ck.save_optimizer else None, scheduler=self.scheduler,
+                model_cfg=self.model_cfg, layout=self._layout(), extra_state=extra_state, keep_last=keep_last,
+                tokenizer_dir=self._tokenizer_dir(), fully_parallel=ck.fully_parallel_save,
+                hf_writer=self.write_hf_checkpoint if export_hf else None)
         return str(path)
+
+    @contextlib.contextmanager
+    def _resident(self) -> Iterator[None]:
+        """The optimizer state on the device for a save/load, offloaded again after if it was."""
+        was_offloaded = self.offloader is not None and self.offloader.offloaded
+        if was_offloaded:
+            self.offloader.onload()
+        try:
+            yield
+        finally:
+            if was_offloaded:
+                self.offloader.offload()
 
     def load(self, dir: str) -> dict:
         """Restore from a checkpoint root / ``step-N`` / Megatron checkpoint; returns its extra state + ``step``."""
@@ -435,8 +478,9 @@ class MegatronActorWorker:
         self._require()
         from megatron_arpo.actor.checkpoint import load_checkpoint
 
-        info = load_checkpoint(dir, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
-                               layout=self._layout(), load_optimizer=self.actor.checkpoint.load_optimizer)
+        with self._resident():
+            info = load_checkpoint(dir, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+                                   layout=self._layout(), load_optimizer=self.actor.checkpoint.load_optimizer)
         self.step = info["step"]
         return {"step": info["step"], **info["extra"]}
 
@@ -490,7 +534,7 @@ class MegatronActorWorker:
     def shutdown(self) -> None:
         from megatron.core import parallel_state
 
-        self.model = self.ddp_model = self.chunk = self.optimizer = self.scheduler = None
+        self.model = self.ddp_model = self.chunk = self.optimizer = self.scheduler = self.offloader = None
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
         if self._owns_process_group and dist.is_initialized():

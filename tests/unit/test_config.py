@@ -226,6 +226,12 @@ def test_out_of_range(sections, expected):
          "actor.data_parallel: 2 gives a world of 2 but there are 8 actor devices; set it to 8 or null"),
         ({"launcher": {"gpus_per_node": 8}, "trainer": {"placement": "separate", "actor_devices": 6, "rollout_devices": 4}},
          "exceeds the 8 devices"),
+        ({"trainer": {"placement": "separate", "actor_devices": 1, "rollout_devices": 1}, "rollout": {"enable_sleep_mode": True}},
+         "rollout.enable_sleep_mode: true frees GPU memory for the other side of a colocated GPU, but trainer.placement "
+         "is 'separate' (actor and engines own their GPUs); set rollout.enable_sleep_mode: false, or trainer.placement: "
+         "colocated"),
+        ({"trainer": {"placement": "separate", "actor_devices": 1, "rollout_devices": 1}, "actor": {"offload": True}},
+         "actor.offload: true frees GPU memory for the other side of a colocated GPU, but trainer.placement is 'separate'"),
         ({"actor": {"sequence_parallel": True}}, "actor.sequence_parallel: true needs actor.tensor_parallel > 1 (it splits the sequence over the TP "
          "ranks); set actor.sequence_parallel: false, or actor.tensor_parallel to one of [2]"),
         ({"tools": {"search": {"enabled": True}}}, "tools.search.corpus: required when tools.search.backend is 'local'"),
