@@ -18,8 +18,16 @@ cache resets and metric reads are serialised there while the event loop stays fr
 
 Weights: ``load_weight_bucket(handle)`` receives one bucket through the transport named in the handle
 (megatron_arpo.rollout.weight_sync) and loads it with vLLM's in-place ``reload_weights``;
-``reset_prefix_cache()`` must follow a full sync. On GPU the same class runs vLLM with
-``tensor_parallel_size`` from the config; only the weight transport differs.
+``reset_prefix_cache()`` must follow a full sync.
+
+Sleep (colocated placement, ``megatron_arpo.trainer.phases``): ``sleep(level)`` releases the KV cache and
+the weights (level 1 to host memory, level 2 dropped); ``wake_up(["weights"])`` before a sync,
+``wake_up(["kv_cache"])`` after it. A sleeping engine refuses requests, and weight loads while its
+weights sleep. vLLM's sleep mode needs CUDA (``enable_sleep_mode``); on CPU the same calls pause and
+resume vLLM's scheduler and track the tags (the worker's sleep is a no-op), so the order runs in tests.
+
+On GPU the same class runs vLLM with ``tensor_parallel_size`` from the config; only the weight transport
+differs.
 
 Stop handling: callers pass the tool closing tags as stop strings (``stop``) and the EOS ids as
 ``stop_token_ids``. Stop strings need vLLM's detokenizer, so the engine loads the checkpoint's tokenizer
@@ -114,6 +122,9 @@ class EngineConfig:
     skip_tokenizer_init: bool = False       # True: no detokenizer, so no stop strings (token-id stops only)
     cpu_kv_cache_gib: float = 1.0
     cpu_omp_threads_bind: Optional[str] = None
+    # vLLM's sleep mode (CUDA only: its CPU platform refuses the flag). Without it a CPU engine still
+    # runs sleep/wake_up, which pause the scheduler and track the sleeping tags while freeing nothing.
+    enable_sleep_mode: bool = False
     extra: dict[str, Any] = field(default_factory=dict)    # any other vllm.LLM keyword
 
     @classmethod
@@ -131,6 +142,7 @@ class EngineConfig:
             max_num_batched_tokens=rollout.max_num_batched_tokens,
             cpu_kv_cache_gib=rollout.cpu_kv_cache_gib,
             cpu_omp_threads_bind=rollout.cpu_omp_threads_bind,
+            enable_sleep_mode=rollout.enable_sleep_mode,
         )
         values.update(overrides)
         return cls(**values)
@@ -248,6 +260,10 @@ class VllmEngine:
                 kwargs[name] = getattr(cfg, name)
         if _cuda_available():
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+            kwargs["enable_sleep_mode"] = cfg.enable_sleep_mode
+        elif cfg.enable_sleep_mode:
+            logger.info("engine %d: vLLM's sleep mode is CUDA-only; on CPU sleep/wake_up pause and resume the "
+                        "scheduler and free no memory", engine_index)
         kwargs.update(cfg.extra)
         start = time.monotonic()
         self._llm = LLM(**kwargs)
@@ -264,6 +280,7 @@ class VllmEngine:
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._loop_task: Optional[asyncio.Task] = None
         self._error: Optional[BaseException] = None
+        self._asleep: set[str] = set()   # vLLM memory tags released by sleep() and not yet woken
         self._stats = {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0,
                        "steps": 0, "max_in_flight": 0}
 
@@ -271,6 +288,10 @@ class VllmEngine:
     async def generate(self, request: SegmentRequest) -> SegmentOutput:
         if self._error is not None:
             raise RuntimeError(f"engine {self.engine_index} is broken: {self._error!r}") from self._error
+        if self._asleep:
+            raise RuntimeError(f"engine {self.engine_index} is asleep ({', '.join(sorted(self._asleep))} released): "
+                               f"request {request.request_id} needs it awake; the trainer wakes the engines before a "
+                               f"rollout (megatron_arpo.trainer.phases)")
         if request.max_tokens < 1:
             raise ValueError(f"request {request.request_id}: max_tokens={request.max_tokens} must be >= 1")
         if request.stop and self.cfg.skip_tokenizer_init:
@@ -402,10 +423,55 @@ class VllmEngine:
             raise RuntimeError(f"engine {self.engine_index}: {what} with {len(self._futures)} requests in "
                                "flight; finish the rollout before syncing weights")
 
+    def _require_weights(self, what: str) -> None:
+        if "weights" in self._asleep:
+            raise RuntimeError(f"engine {self.engine_index}: {what} while its weights are asleep; wake_up(['weights']) "
+                               f"comes first (megatron_arpo.trainer.phases orders the colocated switch)")
+
+    # ------------------------------------------------------------------ sleep (colocated placement)
+    async def sleep(self, level: int) -> None:
+        """Release the engine's GPU memory until ``wake_up``: level 1 moves the weights to host memory, level 2
+        drops them (a full weight sync must follow the wake-up); the KV cache and the prefix cache go either
+        way. Requests still in flight (a cancelled rollout's) are aborted."""
+        if level not in (1, 2):
+            raise ValueError(f"engine {self.engine_index}: sleep level {level}; allowed: 1, 2 (rollout.sleep_level)")
+        if self._asleep:
+            raise RuntimeError(f"engine {self.engine_index} is already asleep ({', '.join(sorted(self._asleep))})")
+        # Requests still here belong to a rollout the driver cancelled (a stop request): they fail now, and
+        # vLLM aborts what it still runs (its sleep's default mode).
+        dropped = list(self._futures)
+        for rid, fut in self._futures.items():
+            if not fut.done():
+                fut.set_exception(RuntimeError(f"engine {self.engine_index} went to sleep: request {rid} aborted"))
+        self._futures.clear()
+        self._to_add.clear()
+        self._to_abort.clear()
+        self._top_positions.clear()
+        if dropped:
+            logger.warning("engine %d: %d requests of a cancelled rollout aborted by sleep", self.engine_index,
+                           len(dropped))
+        await self._on_engine_thread(lambda: self._llm.sleep(level=level))
+        self._asleep = {"weights", "kv_cache"}
+
+    async def wake_up(self, tags: Sequence[str]) -> bool:
+        """Reallocate the released memory of ``tags`` (``weights``, ``kv_cache``); True once fully awake."""
+        tags = list(tags)
+        asleep = [t for t in tags if t in self._asleep]
+        if not tags or asleep != tags:
+            raise RuntimeError(f"engine {self.engine_index}: wake_up({tags}) but the sleeping tags are "
+                               f"{sorted(self._asleep) or 'none'}")
+        awake = await self._on_engine_thread(lambda: self._llm.wake_up(tags=tags))
+        self._asleep.difference_update(tags)
+        if bool(awake) != (not self._asleep):
+            raise RuntimeError(f"engine {self.engine_index}: vLLM reports fully awake={awake} with "
+                               f"{sorted(self._asleep)} still asleep")
+        return bool(awake)
+
     # ------------------------------------------------------------------ weights and caches
     async def update_weights(self, named_tensors: Sequence[tuple[str, Any]]) -> int:
         """Load HF-named tensors in place (no prefix-cache reset; call reset_prefix_cache after a sync)."""
         self._require_idle("update_weights")
+        self._require_weights("update_weights")
         tensors = list(named_tensors)
         await self._on_engine_thread(
             lambda: self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors}))
@@ -416,6 +482,7 @@ class VllmEngine:
         from megatron_arpo.rollout.weight_sync import receive_bucket
 
         self._require_idle("load_weight_bucket")
+        self._require_weights("load_weight_bucket")
         return await receive_bucket(self, handle)
 
     async def receive_in_workers(self, handle: Any) -> dict[str, Any]:
@@ -423,6 +490,7 @@ class VllmEngine:
         from megatron_arpo.rollout import weight_sync
 
         self._require_idle("receive_in_workers")
+        self._require_weights("receive_in_workers")
         fn = {"cuda_ipc": weight_sync.worker_receive_cuda_ipc, "nccl": weight_sync.worker_receive_nccl}[handle.kind]
         results = await self._on_engine_thread(lambda: self._llm.collective_rpc(fn, args=(handle,)))
         return results[0]
@@ -464,7 +532,8 @@ class VllmEngine:
     async def health(self) -> dict[str, Any]:
         return {"engine_index": self.engine_index, "ok": self._error is None,
                 "error": None if self._error is None else repr(self._error),
-                "in_flight": len(self._futures), "max_model_len": self.max_model_len}
+                "in_flight": len(self._futures), "max_model_len": self.max_model_len,
+                "asleep": sorted(self._asleep)}
 
     async def shutdown(self) -> None:
         """Stop stepping and release the vLLM engine core (its KV cache memory); the object is unusable after."""
