@@ -1,7 +1,8 @@
 """The ARPO/AEPO RL loop: ``megatron-arpo train --config X.yaml [--set a.b=c ...] [--resume auto|none|PATH]``.
 
 One step: rollout (branched multi-turn tool trajectories) -> reward -> GRPO advantages -> old (and
-reference) log-probs -> PPO update -> weight sync -> validation (every ``trainer.val_every``) ->
+reference) log-probs -> PPO update -> weight sync (with colocated sleep/offload, the phase switches of
+``megatron_arpo.trainer.phases`` around the log-probs, update and sync) -> validation (every ``trainer.val_every``) ->
 checkpoint (every ``trainer.save_every``, and at the end) -> log. The components and the phase functions
 live in ``megatron_arpo.trainer``; this file is the loop. A stop request (preemption) is served at the
 next safe point inside the step (``megatron_arpo.trainer.signals``).
@@ -21,7 +22,7 @@ import traceback
 from pathlib import Path
 from typing import Sequence
 
-from megatron_arpo.trainer import checkpointing, metrics, steps
+from megatron_arpo.trainer import checkpointing, metrics, phases, steps
 from megatron_arpo.trainer.signals import LeadTimeAdvisor, StepAborted, StopRequest
 
 logger = logging.getLogger(__name__)
@@ -53,6 +54,7 @@ def train(cfg, resume: str = "auto") -> int:
                         sources = steps.score(rt, result, prompts, rt.train, indices)
                     with timer("advantage"):
                         batch = steps.make_train_batch(rt, result)
+                    phase = phases.switch_phase(rt, "train")  # colocated: the engines sleep, the actor onloads
                     logprob_info = steps.add_log_probs(rt, batch, timer)
                     if stop.requested:
                         raise StepAborted(f"step {step} abandoned before its update")
@@ -62,10 +64,11 @@ def train(cfg, resume: str = "auto") -> int:
                     break
                 with timer("update"):
                     update = steps.update(rt, batch)
+                rt.phases.weights_stale = True
                 sync, val = {}, {}
                 if not stop.requested:  # stopping: the engines restart from the checkpoint anyway
-                    with timer("sync"):
-                        sync = steps.sync_weights(rt)
+                    with timer("sync"):  # offload, wake the weights, sync, wake the KV cache (trainer/phases.py)
+                        sync = phases.switch_phase(rt, "rollout")
                     if rt.val is not None and t.val_every and checkpointing.is_due(step, t.val_every, rt.total_steps):
                         with timer("validate"):
                             val = steps.validate(rt, step)
@@ -79,7 +82,7 @@ def train(cfg, resume: str = "auto") -> int:
                    **metrics.tool_metrics(trajs, result.stats, tools_before, tools_after, rt.tools.tags),
                    **metrics.token_statistics(batch, trajs, cfg.rollout.entropy_window),
                    **metrics.actor_metrics(update, logprob_info["padding_fraction"]),
-                   **sync, **val, **timer.metrics(), **lead.observe(timer.seconds),
+                   **phase, **sync, **val, **timer.metrics(), **lead.observe(timer.seconds),
                    **metrics.data_metrics([p.prompt_id.split(":", 1)[1] for p in prompts], rt.sampler.state_dict())}
             rt.metrics_logger.log(step, row)
             logger.info(format_step_summary(step, row, rt.total_steps))

@@ -11,10 +11,11 @@ while the other works:
 
 ``switch_phase(rt, target)`` moves the runtime into a phase, in this order:
 
-to ``"train"`` (after a rollout, before the log-probs; before a checkpoint taken on a stop request):
+to ``"train"`` (after a rollout, before the log-probs):
   1. the engines sleep;
   2. the actor onloads its optimizer state and grad buffers.
-to ``"rollout"`` (after the update and the checkpoint; before a rollout or a validation):
+to ``"rollout"`` (after the update, before the validation and the checkpoint; once at start-up, where it
+is the resumed run's first sync):
   1. the actor offloads, before anything of vLLM comes back;
   2. the engines wake their weights;
   3. the weight sync (``steps.sync_weights``), when the engines' weights are stale (an update since the
@@ -25,7 +26,10 @@ The planner (``launchers.planner``) counts exactly this: with both switches a GP
 the two phases, ``max(actor peak, vLLM reservation + actor weights)``, instead of their sum. The state
 (``PhaseState``) lives on the Runtime. With neither switch (the default, and always on separate
 placement, where the config refuses both), the switch to ``"train"`` does nothing and the switch to
-``"rollout"`` is the sync after an update, as before. Each switch is idempotent.
+``"rollout"`` is the sync after an update, as before. Each switch is idempotent. A checkpoint taken
+while the actor is offloaded onloads for the save's duration (``MegatronActorWorker.save``); on a stop
+request the loop skips the switch to ``"rollout"`` (the engines restart from the checkpoint anyway).
+The reference group (``algorithm.use_reference``) stays resident: it holds bf16 weights only.
 
 On CPU, vLLM refuses ``enable_sleep_mode``; the engines still run ``sleep``/``wake_up`` (vLLM pauses and
 resumes its scheduler and tracks the tags; its CPU worker frees nothing), and the actor's offload really
@@ -50,7 +54,7 @@ PHASES = ("rollout", "train")
 class PhaseState:
     sleep_level: Optional[int]       # None: the engines never sleep
     offload: bool
-    phase: str = "rollout"           # after start-up: engines awake (or asleep, see start_runtime), actor resident
+    phase: str = "rollout"           # start_runtime switches to "rollout" once: engines awake, actor offloaded
     engines_asleep: bool = False
     weights_dropped: bool = False    # slept at level 2: the engines hold no weights until a sync
     actor_offloaded: bool = False
@@ -79,7 +83,7 @@ def _on_engines(rt: Any, method: str, *args: Any) -> list:
 
 
 def sleep_engines(rt: Any, metrics: Optional[dict] = None) -> None:
-    """The engines release their memory (also used once at start-up, before the actor ranks allocate)."""
+    """The engines release their memory (level ``rollout.sleep_level``); a no-op without sleep mode."""
     st = rt.phases
     if st.sleep_level is None or st.engines_asleep:
         return

@@ -123,6 +123,7 @@ class Runtime:
     reward_fn: Any = None
     metrics_logger: Any = None
     tied_embeddings: bool = False
+    phases: Any = None                # megatron_arpo.trainer.phases.PhaseState (colocated sleep/offload)
     closed: bool = False
 
     @property
@@ -367,9 +368,12 @@ def start_runtime(cfg: Any, resume: str) -> Runtime:
 
         if rt.resume_from is not None:
             checkpointing.restore_driver_state(rt, rt.actor.init_state or {})
-            from megatron_arpo.trainer.steps import sync_weights
+        from megatron_arpo.trainer.phases import PhaseState, switch_phase
 
-            sync_weights(rt)  # the engines started from the HF checkpoint, not the resumed weights
+        rt.phases = PhaseState.from_config(cfg)
+        # Resumed: the engines started from the HF checkpoint, not the resumed weights (the switch syncs).
+        rt.phases.weights_stale = rt.resume_from is not None
+        switch_phase(rt, "rollout")  # and with actor.offload the actor's state leaves before the first rollout
         _start_metrics_logger(rt)
         return rt
     except BaseException:

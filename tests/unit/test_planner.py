@@ -225,3 +225,36 @@ def test_per_rank_counts_equal_the_real_megatron_model_on_meta_device(name):
         row = plan.plan_rank(cfg, tp, pp, rank)
         assert row["problems"] == []
         assert row["num_params"] == rank_param_counts(cfg, tp, pp, row["pp_rank"]).total, (rank, row)
+
+
+@pytest.mark.parametrize("recipe", ["qwq-32b-arpo-deepsearch", "qwen3-32b-arpo-reasoning"])
+def test_a_colocated_32b_recipe_with_a_large_kv_cache_fits_only_with_sleep_and_offload(recipe):
+    """The recipe's own layout with vLLM's reservation at 0.75 and 64 sequences per engine: the actor's peak
+    and the reservation do not fit side by side, nor with one switch alone (vLLM asleep while the actor
+    keeps its optimizer state, or the reverse, still holds both); with rollout.enable_sleep_mode and
+    actor.offload (the config names the planner reads) a GPU holds the larger phase only."""
+    import copy
+    from pathlib import Path
+
+    import yaml
+
+    raw = yaml.safe_load((Path(__file__).resolve().parents[2] / "configs" / f"{recipe}.yaml").read_text())
+    assert raw["trainer"]["placement"] == "colocated"
+    raw["rollout"].update(gpu_memory_utilization=0.75, max_num_seqs=64)
+    plans = {}
+    for sleep, offload in ((False, False), (True, False), (False, True), (True, True)):
+        cfg = copy.deepcopy(raw)
+        cfg["rollout"]["enable_sleep_mode"], cfg["actor"]["offload"] = sleep, offload
+        plans[sleep, offload] = plan_from_config(cfg)
+    reserved = 0.75 * GPU_MEMORY_GIB["h100-80g"]
+    for switches in ((False, False), (True, False), (False, True)):
+        plan = plans[switches]
+        assert plan.fits_actor and plan.fits_rollout and not plan.fits, switches
+        assert plan.colocated_peak_gib == pytest.approx(plan.actor_peak_gib + reserved)
+    both = plans[True, True]
+    assert both.fits and both.inputs["sleep_offload"]
+    assert both.colocated_peak_gib == pytest.approx(max(both.actor_peak_gib, reserved + both.actor_gib["params"]))
+    assert "phases swap (vLLM sleep + actor offload)" in format_plan(both)
+    # The recipe as shipped (no switches) fits on its own, with the smaller reservation.
+    assert plan_from_config(yaml.safe_load((Path(__file__).resolve().parents[2] / "configs" /
+                                            f"{recipe}.yaml").read_text())).fits
