@@ -1,7 +1,8 @@
 """What the scheduler asks the engines for, and what it checks in what comes back (issue 12, items 5-6).
 
-- No allow-list rides on a request (vLLM 0.32's GPU runner refuses more than 1024 ids; Qwen's tokenizer
-  has 151k): the sampled ids are checked when they come back instead.
+- No allow-list rides on a training request (vLLM 0.32's GPU runner refuses more than 1024 ids; Qwen's
+  tokenizer has 151k): the sampled ids are checked when they come back instead. An allow-list (tests
+  steer random models with one) longer than 1024 ids is refused when the request is built.
 - Top-k log-probs only where the entropy reads them: the first ``entropy_window`` generated positions of
   every segment (the after-result probe, a whole segment, AEPO's H_root sample); a probe's continuation
   asks for none. The decisions, entropies and AEPO's pre-monitoring are the same as with top-k for
