@@ -9,9 +9,13 @@ No hub downloads are possible here, so every test and the demo builds its model 
 - ``generation_config.json`` with bos/pad ``<|endoftext|>`` and eos ``[<|im_end|>, <|endoftext|>]`` as in
   Qwen3's release (no sampling defaults: vLLM would adopt them as its default sampling parameters);
 - ``model.safetensors``: weights drawn from one ``torch.Generator`` seeded with ``seed``, in the fixed order
-  of :func:`weight_specs` — linear/embedding weights ~ N(0, 0.02), RMSNorm and q/k-norm weights 1.0, Qwen2's
-  q/k/v biases ~ N(0, 0.02) (not zero, so the bias path is exercised). Tied models have no
-  ``lm_head.weight`` tensor, as in HF's tied releases;
+  of :func:`weight_specs` — linear/embedding weights ~ N(0, 0.02), Qwen2's q/k/v biases ~ N(0, 0.02) (not
+  zero, so the bias path is exercised). RMSNorm and q/k-norm weights are 1 + 0.1 * N(0, 1), drawn from a
+  second generator (seed + :data:`NORM_SEED_OFFSET`): not all 1.0, so a mapping that swaps two norms
+  (q_norm <-> k_norm, input <-> post-attention) changes the logits and fails the parity tests, yet near
+  1.0 so the model behaves as an initialised one; the other weights are the same values as with unit
+  norms. Every config gets them, the real-Qwen-vocabulary ones (``tiny-*-qwen-vocab``) included. Tied
+  models have no ``lm_head.weight`` tensor, as in HF's tied releases;
 - the tokenizer files from :mod:`megatron_arpo.tiny.tokenizer` (vocabulary size = ``vocab_size``), or with
   ``tokenizer="qwen3"|"qwq"`` the real Qwen tokenizer, chat template and generation_config of that release
   (:mod:`megatron_arpo.tiny.qwen_tokenizer`; see ``TOKENIZER_KINDS``).
@@ -45,12 +49,14 @@ from megatron_arpo.tiny.tokenizer import build_tokenizer, dump_json, write_bytes
 logger = logging.getLogger(__name__)
 
 INIT_STD = 0.02
+NORM_STD = 0.1
+NORM_SEED_OFFSET = 1_000_003
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 # Per-layer tensors: (HF name suffix, shape as a function of the config, init). "bias" tensors exist only
 # when the config has attention_bias, "qk_norm" ones only with qk_layernorm.
 _LAYER_SPECS = (
-    ("input_layernorm.weight", lambda c: (c.hidden_size,), "ones"),
+    ("input_layernorm.weight", lambda c: (c.hidden_size,), "norm"),
     ("self_attn.q_proj.weight", lambda c: (c.num_attention_heads * c.head_dim, c.hidden_size), "normal"),
     ("self_attn.q_proj.bias", lambda c: (c.num_attention_heads * c.head_dim,), "bias"),
     ("self_attn.k_proj.weight", lambda c: (c.num_key_value_heads * c.head_dim, c.hidden_size), "normal"),
@@ -60,7 +66,7 @@ _LAYER_SPECS = (
     ("self_attn.o_proj.weight", lambda c: (c.hidden_size, c.num_attention_heads * c.head_dim), "normal"),
     ("self_attn.q_norm.weight", lambda c: (c.head_dim,), "qk_norm"),
     ("self_attn.k_norm.weight", lambda c: (c.head_dim,), "qk_norm"),
-    ("post_attention_layernorm.weight", lambda c: (c.hidden_size,), "ones"),
+    ("post_attention_layernorm.weight", lambda c: (c.hidden_size,), "norm"),
     ("mlp.gate_proj.weight", lambda c: (c.intermediate_size, c.hidden_size), "normal"),
     ("mlp.up_proj.weight", lambda c: (c.intermediate_size, c.hidden_size), "normal"),
     ("mlp.down_proj.weight", lambda c: (c.hidden_size, c.intermediate_size), "normal"),
@@ -77,7 +83,7 @@ def weight_specs(cfg: ModelConfig) -> Iterator[tuple[str, tuple[int, ...], str]]
             if init == "qk_norm" and not cfg.qk_layernorm:
                 continue
             yield f"model.layers.{layer}.{suffix}", shape(cfg), init
-    yield "model.norm.weight", (cfg.hidden_size,), "ones"
+    yield "model.norm.weight", (cfg.hidden_size,), "norm"
     if not cfg.tie_word_embeddings:
         yield "lm_head.weight", (cfg.vocab_size, cfg.hidden_size), "normal"
 
@@ -90,10 +96,11 @@ def build_weights(cfg: ModelConfig, seed: int) -> dict:
         raise ValueError(f"model config {cfg.name!r}: torch_dtype {cfg.torch_dtype!r} is not supported for tiny "
                          f"checkpoints; use one of float32, bfloat16, float16")
     generator = torch.Generator(device="cpu").manual_seed(seed)
+    norm_generator = torch.Generator(device="cpu").manual_seed(seed + NORM_SEED_OFFSET)
     tensors = {}
     for name, shape, init in weight_specs(cfg):
-        if init in ("ones", "qk_norm"):
-            value = torch.ones(shape, dtype=torch.float32)
+        if init in ("norm", "qk_norm"):
+            value = 1.0 + NORM_STD * torch.randn(shape, generator=norm_generator, dtype=torch.float32)
         else:  # normal weights and biases: drawn in fp32, then cast, so the values do not depend on dtype
             value = torch.randn(shape, generator=generator, dtype=torch.float32) * INIT_STD
         tensors[name] = value.to(dtype).contiguous()

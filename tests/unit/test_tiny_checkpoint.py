@@ -15,6 +15,7 @@ from safetensors import safe_open
 
 from megatron_arpo.model_config import check_hf_config, load_model_config
 from megatron_arpo.testing import build_tiny_checkpoint, tiny_checkpoint
+from megatron_arpo.testing.tiny import build_weights
 from megatron_arpo.testing.tokenizer import SPECIAL_TOKENS, TOOL_TAGS, build_tokenizer
 
 TINY_CONFIGS = ("tiny-qwen3", "tiny-qwen3-untied", "tiny-qwq")
@@ -67,10 +68,37 @@ def test_different_seed_gives_different_weights_same_tokenizer(checkpoints, tmp_
             assert base[name] == changed[name], name
     t0, t1 = load_tensors(checkpoints["tiny-qwen3"]), load_tensors(other)
     for name in t0:
-        if name.endswith("norm.weight"):
-            assert torch.equal(t0[name], t1[name])  # norms are 1.0 whatever the seed
-        else:
-            assert not torch.equal(t0[name], t1[name]), name
+        assert not torch.equal(t0[name], t1[name]), name  # norms too: they are drawn, not 1.0
+
+
+@pytest.mark.parametrize("name", TINY_CONFIGS)
+def test_norm_weights_are_random_near_one_and_distinct(checkpoints, name):
+    """A mapping that swaps two norms must change the model: no norm is all-ones, no two are equal."""
+    check_norms_and_biases(load_tensors(checkpoints[name]), load_model_config(name))
+
+
+@pytest.mark.parametrize("name", ("tiny-qwen3-qwen-vocab", "tiny-qwq-qwen-vocab"))
+def test_qwen_vocab_configs_get_random_norms_too(name):
+    """The real-vocabulary tiny models draw their weights through the same build_weights."""
+    cfg = load_model_config(name)
+    check_norms_and_biases(build_weights(cfg, seed=0), cfg)
+
+
+def check_norms_and_biases(tensors: dict, cfg) -> None:
+    norms = {n: t for n, t in tensors.items() if n.endswith("norm.weight")}
+    assert len(norms) == cfg.num_hidden_layers * (4 if cfg.qk_layernorm else 2) + 1
+    for tensor_name, weight in norms.items():
+        assert not torch.equal(weight, torch.ones_like(weight)), tensor_name
+        assert 0.05 < weight.std().item() < 0.2 and (weight - 1).abs().max().item() < 0.6, tensor_name
+    by_shape: dict[tuple, list] = {}
+    for weight in norms.values():
+        by_shape.setdefault(tuple(weight.shape), []).append(weight)
+    for group in by_shape.values():
+        for i, a in enumerate(group):
+            assert not any(torch.equal(a, b) for b in group[i + 1:])
+    if cfg.attention_bias:
+        for proj in ("q", "k", "v"):
+            assert tensors[f"model.layers.0.self_attn.{proj}_proj.bias"].std().item() > 0.01
 
 
 def test_tokenizer_is_identical_across_processes(tmp_path):
