@@ -1,15 +1,20 @@
 """``python -m conversion``: hf-to-megatron, megatron-to-hf, verify, plan.
 
 Errors a user can fix (bad paths, configs, checkpoints) print one ``error:`` line and exit 2; a failed
-verify or plan check exits 1.
+verify or plan check exits 1; SIGTERM or Ctrl-C removes the unfinished output (exit 143 / 130).
+``megatron-to-hf`` never imports megatron-core (see :mod:`conversion.megatron_to_hf`).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import signal
 import sys
+import threading
 
+from conversion.config_json import FieldChange
 from conversion.hf_io import parse_size, torch_dtype
 
 
@@ -32,12 +37,22 @@ def cmd_hf_to_megatron(args) -> int:
 
 
 def cmd_megatron_to_hf(args) -> int:
-    from conversion.dist_ckpt import convert_megatron_to_hf
+    from conversion.megatron_to_hf import convert_megatron_to_hf
+    from conversion.outdir import MARKER
 
     out = convert_megatron_to_hf(args.megatron, args.out, tokenizer=args.tokenizer,
                                  max_shard_size=parse_size(args.max_shard_size),
                                  model_cfg=_model_cfg(args.model_config), overwrite=args.overwrite)
-    print(f"wrote HF checkpoint {out}")
+    report = json.loads((out / MARKER).read_text())
+    print(f"wrote HF checkpoint {out} ({report['num_tensors']} tensors, {report['dtype']}; report: {out / MARKER})")
+    config = report["config_json"]
+    changed = [FieldChange(c["field"], c["old"], c["new"], c["reason"], c["old_present"]) for c in config["changed"]]
+    origin = config["origin"]
+    if not origin.startswith("generated"):
+        origin = f"carried over from {origin}"
+    print(f"config.json: {origin}; " + (f"{len(changed)} field(s) changed:" if changed else "no field changed"))
+    for change in changed:
+        print(f"  {change.describe()}")
     return 0
 
 
@@ -105,11 +120,34 @@ def main(argv=None) -> int:
     if args.command == "verify":
         args.tp = args.tp or (1 if args.pp else 0)
         args.pp = args.pp or (1 if args.tp else 0)
+    # SIGTERM and Ctrl-C unwind the stack, so the temporary output directory is removed on the way out.
+    # The signal is also recorded: raised inside a torch C++ callback (torch.load reading a stream) the
+    # KeyboardInterrupt comes back as some other error, which must not be reported as a corrupt input.
+    _received.clear()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _on_signal)
+        signal.signal(signal.SIGINT, _on_signal)
     try:
         return args.fn(args)
-    except (ValueError, FileNotFoundError, FileExistsError, KeyError, NotImplementedError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    except BaseException as exc:
+        if _received or isinstance(exc, KeyboardInterrupt):
+            signum = _received[0] if _received else signal.SIGINT
+            print(f"interrupted by {signal.Signals(signum).name}; the unfinished output was removed", file=sys.stderr)
+            return 128 + signum
+        if isinstance(exc, USER_ERRORS):
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        raise
+
+
+USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, KeyError, NotImplementedError, PermissionError,
+               IsADirectoryError, NotADirectoryError)
+_received: list[int] = []
+
+
+def _on_signal(signum, frame):
+    _received.append(signum)
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

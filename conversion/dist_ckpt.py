@@ -1,4 +1,4 @@
-"""Megatron distributed checkpoints (``torch_dist``) written from and read into HF checkpoints, streaming.
+"""``hf-to-megatron``: HF safetensors -> Megatron distributed checkpoint (``torch_dist``), streaming.
 
 Layout Megatron uses (inspected from ``GPTModel.sharded_state_dict()`` of megatron-core 0.16.1): keys use
 the Transformer Engine names for both layer specs (``decoder.layers.self_attention.linear_qkv.layer_norm_weight``
@@ -18,22 +18,16 @@ torch.distributed.checkpoint with one writer thread and a planner whose ``resolv
 the writer streams it to disk and drops it. Peak memory: the tensor being converted (a few copies of the
 largest tensor), independent of the number of layers.
 
-Reading (:func:`iter_megatron_hf_tensors`): one ``TorchDistLoadShardedStrategy.load`` per (layer, key)
-slice, so training checkpoints of any TP/PP are read the same way.
+Reading is :mod:`conversion.megatron_to_hf` (no Megatron import there; its names are re-exported here).
 
 Directory written by ``hf-to-megatron``::
 
     OUT/                       the Megatron checkpoint: metadata.json, .metadata, __0_0.distcp, common.pt
-    OUT/conversion.json        {"format": "megatron-arpo-conversion", tp, pp, padded_vocab_size, source, ...}
+    OUT/conversion.json        {"format": "megatron-arpo-conversion", tp, pp, padded_vocab_size, source, ...}:
+                               the report, and the marker that lets a later --overwrite replace OUT
     OUT/model_config.yaml      the model config (ModelConfig fields)
-    OUT/hf_config.json         the source config.json
+    OUT/hf_extra/config.json   the source config.json, byte for byte (megatron-to-hf carries it over)
     OUT/hf_extra/              tokenizer files and generation_config.json of the source
-
-Directories accepted by ``megatron-to-hf`` (see :func:`resolve_checkpoint_dir`): ``DIR`` itself when it
-holds ``metadata.json``; else ``DIR/model``; else, for a training run directory with
-``latest_checkpointed_iteration.txt``, ``DIR/iter_NNNNNNN`` (or its ``model`` subdir). The model config is
-``--model-config`` or the first ``model_config.yaml`` found in the checkpoint dir or its parents up to
-``DIR``. Keys must be Megatron's own sharded keys (no prefix), as ``GPTModel.sharded_state_dict()`` makes.
 """
 
 from __future__ import annotations
@@ -43,27 +37,19 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Callable, Iterator
 
 import torch
 import yaml
 
 from conversion import mapping
-from conversion.hf_io import HFCheckpointReader, copy_tokenizer_files, write_json
-from megatron_arpo.model_config import ModelConfig, model_config_from_dict, read_hf_config
+from conversion.hf_io import HFCheckpointReader, copy_tokenizer_files
+from conversion.megatron_to_hf import (  # noqa: F401  (re-exported: the reading half)
+    convert_megatron_to_hf, dist_key, find_model_config, resolve_checkpoint_dir)
+from megatron_arpo.model_config import ModelConfig, read_hf_config
 
 logger = logging.getLogger(__name__)
 
-FORMAT = "megatron-arpo-conversion"
 _LAYER_PREFIX = "decoder.layers."
-
-
-def dist_key(rule: mapping.BoundRule) -> str:
-    """The Megatron dist-checkpoint key of a rule's parameter (TE names, no layer number)."""
-    if rule.layer is None:
-        return rule.megatron
-    rest = rule.megatron[len(f"{_LAYER_PREFIX}{rule.layer}."):]
-    return _LAYER_PREFIX + mapping.TE_ALIASES.get(rest, rest)
 
 
 def _canonical_from_dist(key: str, global_offset: tuple[int, ...]) -> tuple[str, tuple[int, ...]]:
@@ -182,11 +168,14 @@ def convert_hf_to_megatron(hf_dir: str | os.PathLike, out: str | os.PathLike, tp
                            model_cfg: ModelConfig | None = None, overwrite: bool = False,
                            dtype: torch.dtype | None = None) -> Path:
     """``hf-to-megatron``: validate, then write the checkpoint atomically (temp dir, rename)."""
-    from conversion.hf_io import atomic_output_dir
+    from conversion.config_json import store_original_config
     from conversion.live import validate_hf_checkpoint
+    from conversion.outdir import atomic_output_dir, check_distinct_paths, check_output_dir, write_marker
     from megatron_arpo.actor.model_builder import build_transformer_config
     from megatron_arpo.model_config import model_config_from_hf
 
+    check_distinct_paths(out, {"--hf": hf_dir})
+    check_output_dir(out, overwrite)
     hf_config = read_hf_config(hf_dir)
     if model_cfg is None:
         model_cfg = model_config_from_hf(hf_config, name=Path(hf_dir).name)
@@ -198,172 +187,13 @@ def convert_hf_to_megatron(hf_dir: str | os.PathLike, out: str | os.PathLike, tp
         write_megatron_checkpoint(reader, model_cfg, tmp, tp, dtype)
         with open(tmp / "model_config.yaml", "w") as fh:
             yaml.safe_dump(model_cfg.to_dict(), fh, sort_keys=False)
-        write_json(tmp / "hf_config.json", hf_config)
+        store_original_config(hf_dir, tmp)
         extra = tmp / "hf_extra"
-        extra.mkdir()
         copy_tokenizer_files(hf_dir, extra)
         if (Path(hf_dir) / "generation_config.json").exists():
-            shutil.copy2(Path(hf_dir) / "generation_config.json", extra / "generation_config.json")
-        write_json(tmp / "conversion.json", {
-            "format": FORMAT, "version": 1, "tensor_parallel": tp, "pipeline_parallel": pp,
-            "padded_vocab_size": model_cfg.padded_vocab_size(tp), "model_type": model_cfg.model_type,
-            "source": str(Path(hf_dir).resolve()),
-        })
+            shutil.copyfile(Path(hf_dir) / "generation_config.json", extra / "generation_config.json")
+        write_marker(tmp, {"direction": "hf-to-megatron", "tensor_parallel": tp, "pipeline_parallel": pp,
+                           "padded_vocab_size": model_cfg.padded_vocab_size(tp), "model_type": model_cfg.model_type,
+                           "source": str(Path(hf_dir).resolve())})
     logger.info("wrote Megatron checkpoint %s (padded for tp=%d)", out, tp)
-    return Path(out)
-
-
-# ----------------------------------------------------------------------------------------------------
-# Reading
-
-
-def resolve_checkpoint_dir(path: str | os.PathLike) -> Path:
-    """The directory holding Megatron's ``metadata.json`` (see the module docstring for the search order)."""
-    root = Path(path)
-    candidates = [root, root / "model"]
-    latest = root / "latest_checkpointed_iteration.txt"
-    if latest.exists():
-        text = latest.read_text().strip()
-        if text.isdigit():
-            iter_dir = root / f"iter_{int(text):07d}"
-            candidates += [iter_dir, iter_dir / "model"]
-    for cand in candidates:
-        if (cand / "metadata.json").exists():
-            return cand
-    raise FileNotFoundError(
-        f"no Megatron distributed checkpoint under {root}: looked for metadata.json in "
-        f"{[str(c) for c in candidates]}")
-
-
-def find_model_config(root: str | os.PathLike, ckpt: Path) -> ModelConfig:
-    root = Path(root).resolve()
-    here = ckpt.resolve()
-    while True:
-        path = here / "model_config.yaml"
-        if path.exists():
-            with open(path) as fh:
-                return model_config_from_dict(yaml.safe_load(fh), where=str(path))
-        if here == root or here.parent == here:
-            break
-        here = here.parent
-    raise FileNotFoundError(f"no model_config.yaml in {ckpt} or its parents up to {root}; pass --model-config")
-
-
-def checkpoint_tensor_metadata(ckpt: Path) -> dict:
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    metadata = FileSystemReader(str(ckpt)).read_metadata()
-    return {k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
-
-
-def _load_slice(strategy, ckpt: Path, key: str, layer: int | None, shape: tuple[int, ...], dtype) -> torch.Tensor:
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
-
-    if layer is None:
-        data = torch.empty(shape, dtype=dtype)
-        sh = ShardedTensor.from_rank_offsets(key, data, replica_id=0)
-    else:
-        # The layer axis is part of the data (not prepend_axis_num): one [1, ...] chunk of the stacked tensor.
-        data = torch.empty((1, *shape[1:]), dtype=dtype)
-        sh = ShardedTensor.from_rank_offsets(key, data, (0, layer, shape[0]), replica_id=0)
-    loaded = strategy.load({key: sh}, ckpt)[key]
-    return loaded if layer is None else loaded[0]
-
-
-def iter_megatron_hf_tensors(ckpt: Path, cfg: ModelConfig,
-                             on_rule: Callable[[mapping.BoundRule], None] | None = None
-                             ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield HF tensors from a Megatron checkpoint, one Megatron tensor (one layer) in memory at a time."""
-    from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
-
-    from conversion.meta import single_process_group
-
-    meta = checkpoint_tensor_metadata(ckpt)
-    check_checkpoint_keys(ckpt, cfg, meta)
-    bound = mapping.bind_table(cfg)
-    with single_process_group():
-        strategy = TorchDistLoadShardedStrategy()
-        for rule in bound:
-            if not rule.hf_outputs:
-                continue
-            key = dist_key(rule)
-            shape = tuple(meta[key].size)
-            expected = rule.megatron_shape(cfg, 1)
-            inner = shape[1:] if rule.layer is not None else shape
-            if rule.layer is not None and shape[0] != cfg.num_hidden_layers:
-                raise ValueError(f"{ckpt}: {key} has {shape[0]} layers, model config says {cfg.num_hidden_layers}")
-            check = inner[1:] if isinstance(rule.rule, mapping.VocabEmbedding) else inner
-            want = expected[1:] if isinstance(rule.rule, mapping.VocabEmbedding) else expected
-            if tuple(check) != tuple(want):
-                raise ValueError(f"{ckpt}: {key} has per-layer shape {list(inner)}, expected {list(expected)} for "
-                                 f"model config {cfg.name!r}")
-            full = _load_slice(strategy, ckpt, key, rule.layer, shape, meta[key].properties.dtype)
-            if on_rule:
-                on_rule(rule)
-            yield from rule.to_hf(full, cfg).items()
-            del full
-
-
-def check_checkpoint_keys(ckpt: Path, cfg: ModelConfig, meta: dict) -> None:
-    needed = {dist_key(r) for r in mapping.bind_table(cfg) if r.hf_outputs}
-    missing = sorted(needed - set(meta))
-    if missing:
-        raise ValueError(f"{ckpt}: checkpoint lacks {len(missing)} tensor(s) the {cfg.model_type} mapping needs: "
-                         f"{missing}; is the model config right for this checkpoint?")
-
-
-def hf_specs(cfg: ModelConfig, ckpt_meta: dict) -> list:
-    """Names, shapes and dtypes of the HF tensors a checkpoint will produce, in write order."""
-    from conversion.hf_io import TensorSpec
-
-    specs = []
-    for rule in mapping.bind_table(cfg):
-        if not rule.hf_outputs:
-            continue
-        dtype = ckpt_meta[dist_key(rule)].properties.dtype
-        shapes = rule.hf_shapes(cfg)
-        specs += [TensorSpec(name, shapes[name], dtype) for name in rule.hf_outputs]
-    return specs
-
-
-def convert_megatron_to_hf(megatron_dir: str | os.PathLike, out: str | os.PathLike, *,
-                           tokenizer: str | os.PathLike | None = None, max_shard_size: int = 5 * 10**9,
-                           model_cfg: ModelConfig | None = None, overwrite: bool = False) -> Path:
-    """``megatron-to-hf``: safetensors shards + index, config.json, generation_config.json, tokenizer."""
-    from conversion.hf_io import SafetensorsShardWriter, atomic_output_dir, check_output_dir
-    from megatron_arpo.model_config import hf_config_dict
-
-    check_output_dir(out, overwrite)
-    ckpt = resolve_checkpoint_dir(megatron_dir)
-    if model_cfg is None:
-        model_cfg = find_model_config(megatron_dir, ckpt)
-    mapping.get_table(model_cfg.model_type)
-    meta = checkpoint_tensor_metadata(ckpt)
-    check_checkpoint_keys(ckpt, model_cfg, meta)
-    specs = hf_specs(model_cfg, meta)
-    extra = ckpt / "hf_extra"
-    with atomic_output_dir(out, overwrite) as tmp:
-        writer = SafetensorsShardWriter(tmp, specs, max_shard_size)
-        try:
-            for name, tensor in iter_megatron_hf_tensors(ckpt, model_cfg):
-                writer.write(name, tensor)
-            writer.close()
-        except BaseException:
-            writer.abort()
-            raise
-        hf_config = hf_config_dict(model_cfg)
-        hf_config["torch_dtype"] = str(specs[0].dtype).removeprefix("torch.")
-        write_json(tmp / "config.json", hf_config)
-        tok_src = Path(tokenizer) if tokenizer else (extra if extra.exists() else None)
-        copied = copy_tokenizer_files(tok_src, tmp) if tok_src else []
-        gen = (tok_src / "generation_config.json") if tok_src else None
-        if gen is not None and gen.exists():
-            shutil.copy2(gen, tmp / "generation_config.json")
-        else:
-            write_json(tmp / "generation_config.json", {
-                k: v for k, v in {"bos_token_id": model_cfg.bos_token_id,
-                                  "eos_token_id": model_cfg.eos_token_id}.items() if v is not None})
-        if not copied:
-            logger.warning("no tokenizer files copied; pass --tokenizer DIR to include them")
     return Path(out)

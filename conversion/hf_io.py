@@ -8,26 +8,24 @@
   caller declares every output tensor (name, shape, dtype) up front, so each shard's header and every
   tensor's byte offset are known before any data arrives; tensors are then written (in any order) with
   ``os.pwrite`` at their offset. Peak memory is the tensor being written, not the shard size.
-- :func:`atomic_output_dir`: output is built in a temporary sibling directory and renamed into place only
-  when complete; an existing target is refused unless ``overwrite`` (then it is replaced after the new
-  one is complete). No half-written checkpoint is ever visible at the target path.
+- :func:`atomic_output_dir` (re-exported from :mod:`conversion.outdir`, which also guards the paths):
+  output is built in a temporary sibling directory and renamed into place only when complete. No
+  half-written checkpoint is ever visible at the target path.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import torch
 
-from megatron_arpo.fsutil import fsync_path, fsync_tree
+from conversion.outdir import atomic_output_dir, check_output_dir  # noqa: F401  (the writers' entry points)
 
 logger = logging.getLogger(__name__)
 
@@ -63,8 +61,7 @@ class HFCheckpointReader:
         index = self.dir / SAFETENSORS_INDEX
         single = self.dir / SAFETENSORS_SINGLE
         if index.exists():
-            with open(index) as fh:
-                weight_map = json.load(fh)["weight_map"]
+            weight_map = _read_weight_map(index)
         elif single.exists():
             weight_map = None
         else:
@@ -134,12 +131,28 @@ class HFCheckpointReader:
     __call__ = read
 
 
+def _read_weight_map(index: Path) -> dict[str, str]:
+    try:
+        data = json.loads(index.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{index}: not valid JSON ({exc}); the file is truncated or corrupt, re-download it "
+                         f"(or delete it if the checkpoint is a single model.safetensors)") from exc
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ValueError(f"{index}: no \"weight_map\" object of tensor name -> shard file; re-download the index")
+    return weight_map
+
+
 def _check_complete(path: Path) -> None:
     """safe_open maps lazily; compare the header's data extent with the file size to catch truncation."""
-    with open(path, "rb") as fh:
-        header_len = int.from_bytes(fh.read(8), "little")
-        header = json.loads(fh.read(header_len))
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    try:
+        with open(path, "rb") as fh:
+            header_len = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(header_len))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"{path}: unreadable safetensors header ({exc}); the file is corrupt, re-download or "
+                         f"re-export it") from exc
     size = path.stat().st_size
     if size < 8 + header_len + end:
         raise ValueError(f"{path}: truncated safetensors file ({size} bytes, header needs {8 + header_len + end}); "
@@ -207,7 +220,7 @@ class SafetensorsShardWriter:
                 offset += spec.nbytes
             raw = json.dumps(header, separators=(",", ":")).encode()
             raw += b" " * (-len(raw) % 8)  # data section starts 8-byte aligned
-            fd = os.open(self.out_dir / fname, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            fd = os.open(self.out_dir / fname, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
             os.pwrite(fd, len(raw).to_bytes(8, "little") + raw, 0)
             os.ftruncate(fd, 8 + len(raw) + offset)
             self._fds.append(fd)
@@ -257,38 +270,6 @@ def write_json(path: Path, data: Mapping) -> None:
         os.fsync(fh.fileno())
 
 
-def check_output_dir(out: str | os.PathLike, overwrite: bool) -> Path:
-    out = Path(out)
-    if out.exists() and not overwrite:
-        raise FileExistsError(f"output directory {out} already exists; pass --overwrite to replace it, or choose "
-                              f"another --out")
-    return out
-
-
-@contextlib.contextmanager
-def atomic_output_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a temp dir beside ``out``; on success rename it to ``out``, on failure delete it."""
-    out = check_output_dir(out, overwrite).absolute()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        yield tmp
-        fsync_tree(tmp)
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            os.rename(out, old / out.name)
-            os.rename(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, out)
-        fsync_path(out.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-
-
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                    "merges.txt", "added_tokens.json", "chat_template.jinja", "tokenizer.model")
 
@@ -298,6 +279,6 @@ def copy_tokenizer_files(src: str | os.PathLike, dst: Path) -> list[str]:
     for fname in TOKENIZER_FILES:
         path = Path(src) / fname
         if path.exists():
-            shutil.copy2(path, dst / fname)
+            shutil.copyfile(path, dst / fname)
             copied.append(fname)
     return copied

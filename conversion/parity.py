@@ -7,7 +7,8 @@ checkpoint through Megatron's own ``dist_checkpointing.load`` when ``megatron_di
 forward pass on fixed tokens (pipeline stages handed over with plain send/recv) and compares
 
 - the logits with HF transformers' on the same tokens (max abs difference over the real vocabulary), and
-- every tensor of :func:`conversion.live.export_hf_weights` with the original safetensors, bit for bit.
+- every tensor of :func:`conversion.live.export_hf_weights`, exported in the checkpoint's own dtype, with
+  the original safetensors, bit for bit.
 """
 
 from __future__ import annotations
@@ -96,8 +97,11 @@ def parity_worker(rank: int, world_size: int, hf_dir: str, model_config: str | N
         result["max_abs_diff"] = (logits - reference).abs().max().item()
     reader = HFCheckpointReader(hf_dir)
     expected = set(reader.names())
+    # The model runs in fp32; export in the checkpoint's own dtype (bf16 -> fp32 -> bf16 is exact), so a
+    # bf16 checkpoint is compared bit for bit in bf16 rather than failing on dtype alone.
+    ckpt_dtype = reader.read(sorted(expected)[0]).dtype
     mismatches, seen = [], []
-    for name, tensor in live.export_hf_weights(model, cfg, bucket_bytes=1 << 20):
+    for name, tensor in live.export_hf_weights(model, cfg, bucket_bytes=1 << 20, dtype=ckpt_dtype):
         seen.append(name)
         if name not in expected:
             mismatches.append(f"{name}: exported but not in the original")
@@ -110,5 +114,5 @@ def parity_worker(rank: int, world_size: int, hf_dir: str, model_config: str | N
     mismatches += [f"{name}: not exported" for name in sorted(missing)]
     if len(seen) != len(set(seen)):
         mismatches.append("some tensors were exported twice")
-    result.update(num_exported=len(seen), mismatches=mismatches)
+    result.update(num_exported=len(seen), mismatches=mismatches, dtype=str(ckpt_dtype).removeprefix("torch."))
     return result

@@ -5,7 +5,9 @@
 2. For each layout (default TP=1, TP=2 and PP=2), ``tp * pp`` gloo processes build the Megatron model in
    fp32, load the HF weights through the live path and compare logits with transformers on the same
    tokens (max abs difference < 1e-4) and every exported tensor with the original
-   (:func:`conversion.parity.parity_worker`).
+   (:func:`conversion.parity.parity_worker`). The export is compared in the checkpoint's own dtype:
+   a bf16 checkpoint is upcast into the fp32 model and exported back to bf16, an exact round trip, so
+   any difference is a mapping fault, not rounding.
 
 Meant for models that fit in memory a few times over (each rank also holds the HF model in fp32).
 """
@@ -78,7 +80,7 @@ def run_verify(hf_dir: str, emit: Callable[[str], None], model_config: str | Non
         rows.append((f"logits HF vs Megatron TP={tp} PP={pp}", f"max abs diff {diff:.2e} (< {LOGIT_TOLERANCE:g})",
                      "PASS" if passed else "FAIL"))
         rows.append((f"export TP={tp} PP={pp}", f"{results[0]['num_exported'] - len(mismatches)}/{num_tensors} "
-                     f"tensors bit-exact", "PASS" if not mismatches else "FAIL"))
+                     f"tensors bit-exact in {results[0]['dtype']}", "PASS" if not mismatches else "FAIL"))
         for problem in mismatches[:20]:
             emit(f"  mismatch: {problem}")
     width = max(len(r[0]) for r in rows)

@@ -296,8 +296,14 @@ def read_hf_config(hf_dir: str | os.PathLike) -> dict[str, Any]:
     path = Path(hf_dir) / "config.json"
     if not path.exists():
         raise FileNotFoundError(f"{path} not found; --hf must point at a Hugging Face checkpoint directory")
-    with open(path) as fh:
-        return json.load(fh)
+    try:
+        data = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc}); the file is truncated or corrupt, restore it from the "
+                         f"original checkpoint") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object of config fields, got {type(data).__name__}")
+    return data
 
 
 # ------------------------------------------------------------------------------------------ layouts

@@ -3,6 +3,8 @@
 - ``build_tiny_checkpoint(model_config, out_dir, seed=0)`` / ``tiny_checkpoint(name, seed=0)``: deterministic
   tiny Qwen3/Qwen2 HF checkpoints with a locally trained tokenizer, or with ``tokenizer="qwen3"|"qwq"`` the
   real Qwen BPE tokenizer (``megatron_arpo.tiny``, ``megatron_arpo.tiny.qwen_tokenizer``).
+- ``megatron_arpo.testing.real_shaped``: bf16, sharded checkpoints with real models' published config.json
+  field sets (fewer layers, optionally narrower) for conversion tests.
 - ``megatron_arpo.testing.dist``: the gloo multi-process runner (``megatron_arpo.cluster.local_ranks``).
 
 The implementations are production modules (the demo and ``python -m conversion verify`` use them);

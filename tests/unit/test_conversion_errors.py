@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conversion.hf_io import HFCheckpointReader, atomic_output_dir
+from conversion.hf_io import HFCheckpointReader
 from conversion.live import validate_hf_checkpoint
 from megatron_arpo.model_config import load_model_config
 from megatron_arpo.testing.tiny import tiny_checkpoint
@@ -89,22 +89,3 @@ def test_missing_shard_of_index(hf_copy):
         {"weight_map": {"model.norm.weight": "model-00002-of-00002.safetensors"}}))
     with pytest.raises(FileNotFoundError, match="model-00002-of-00002.safetensors.*missing"):
         HFCheckpointReader(hf_copy)
-
-
-def test_existing_output_refused_and_failed_write_leaves_nothing(tmp_path):
-    out = tmp_path / "out"
-    out.mkdir()
-    (out / "keep").write_text("old")
-    with pytest.raises(FileExistsError, match="--overwrite"):
-        with atomic_output_dir(out):
-            pass
-    with pytest.raises(RuntimeError):
-        with atomic_output_dir(out, overwrite=True) as tmp:
-            (tmp / "half").write_text("x")
-            raise RuntimeError("crash mid-write")
-    assert (out / "keep").read_text() == "old"  # old output untouched
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # temp dir cleaned
-    with atomic_output_dir(out, overwrite=True) as tmp:
-        (tmp / "new").write_text("y")
-    assert sorted(p.name for p in out.iterdir()) == ["new"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]

@@ -1,0 +1,182 @@
+"""``megatron-to-hf``: a Megatron ``torch_dist`` checkpoint -> HF safetensors, streaming, without Megatron.
+
+The reader is :class:`conversion.dcp_read.DistCheckpointReader` (torch.distributed.checkpoint files and
+our tables only: no process group, no megatron-core import, which alone costs several seconds per call).
+For each rule of the table, in Megatron order, one layer's tensor is read (the per-layer tensors are
+stacked on a leading layer axis in the checkpoint), turned into HF tensors by the rule and streamed into
+safetensors shards whose layout was planned up front (:class:`conversion.hf_io.SafetensorsShardWriter`),
+then dropped: peak memory is about one tensor, whatever the number of layers.
+
+Directories accepted (see :func:`resolve_checkpoint_dir`): ``DIR`` itself when it holds ``metadata.json``;
+else ``DIR/model``; else, for a training run directory with ``latest_checkpointed_iteration.txt``,
+``DIR/iter_NNNNNNN`` (or its ``model`` subdir). The model config is ``--model-config`` or the first
+``model_config.yaml`` found in the checkpoint dir or its parents up to ``DIR``. Keys must be Megatron's
+own sharded keys (no prefix), as ``GPTModel.sharded_state_dict()`` makes.
+
+Output: safetensors shards (+ index), ``config.json`` carried over from the original
+(:mod:`conversion.config_json`), ``generation_config.json`` and tokenizer files, and ``conversion.json``:
+the report (source, dtype, config.json origin and every field changed) and the marker that lets a later
+``--overwrite`` replace this directory.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+import yaml
+
+from conversion import mapping
+from conversion.dcp_read import MEGATRON_METADATA, DistCheckpointReader, check_megatron_metadata
+from conversion.hf_io import TensorSpec, copy_tokenizer_files, dtype_name, write_json
+from megatron_arpo.model_config import ModelConfig, model_config_from_dict
+
+logger = logging.getLogger(__name__)
+
+_LAYER_PREFIX = "decoder.layers."
+
+
+def dist_key(rule: mapping.BoundRule) -> str:
+    """The Megatron dist-checkpoint key of a rule's parameter (TE names, no layer number)."""
+    if rule.layer is None:
+        return rule.megatron
+    rest = rule.megatron[len(f"{_LAYER_PREFIX}{rule.layer}."):]
+    return _LAYER_PREFIX + mapping.TE_ALIASES.get(rest, rest)
+
+
+def resolve_checkpoint_dir(path: str | os.PathLike) -> Path:
+    """The directory holding Megatron's ``metadata.json`` (see the module docstring for the search order)."""
+    root = Path(path)
+    candidates = [root, root / "model"]
+    latest = root / "latest_checkpointed_iteration.txt"
+    if latest.exists():
+        text = latest.read_text().strip()
+        if text.isdigit():
+            iter_dir = root / f"iter_{int(text):07d}"
+            candidates += [iter_dir, iter_dir / "model"]
+    for cand in candidates:
+        if (cand / MEGATRON_METADATA).exists():
+            return cand
+    raise FileNotFoundError(
+        f"no Megatron distributed checkpoint under {root}: looked for {MEGATRON_METADATA} in "
+        f"{[str(c) for c in candidates]}")
+
+
+def find_model_config(root: str | os.PathLike, ckpt: Path) -> ModelConfig:
+    root = Path(root).resolve()
+    here = ckpt.resolve()
+    while True:
+        path = here / "model_config.yaml"
+        if path.exists():
+            try:
+                data = yaml.safe_load(path.read_text())
+            except yaml.YAMLError as exc:
+                raise ValueError(f"{path}: not valid YAML ({exc}); restore it or pass --model-config") from exc
+            return model_config_from_dict(data, where=str(path))
+        if here == root or here.parent == here:
+            break
+        here = here.parent
+    raise FileNotFoundError(f"no model_config.yaml in {ckpt} or its parents up to {root}; pass --model-config")
+
+
+def check_checkpoint(reader: DistCheckpointReader, cfg: ModelConfig) -> list[mapping.BoundRule]:
+    """Every tensor the mapping needs is present with the model config's shapes; returns the rules to read."""
+    rules = [r for r in mapping.bind_table(cfg) if r.hf_outputs]
+    missing = sorted({dist_key(r) for r in rules} - set(reader.tensors))
+    if missing:
+        raise ValueError(f"{reader.dir}: checkpoint lacks {len(missing)} tensor(s) the {cfg.model_type} mapping "
+                         f"needs: {missing}; is the model config right for this checkpoint?")
+    for rule in rules:
+        key = dist_key(rule)
+        shape = reader.shape(key)
+        inner = shape[1:] if rule.layer is not None else shape
+        if rule.layer is not None and shape[0] != cfg.num_hidden_layers:
+            raise ValueError(f"{reader.dir}: {key} has {shape[0]} layers, model config says {cfg.num_hidden_layers}")
+        expected = rule.megatron_shape(cfg, 1)
+        # The vocab rows are padded for some TP size: only the hidden dimension must match.
+        vocab = isinstance(rule.rule, mapping.VocabEmbedding)
+        if tuple(inner[1:] if vocab else inner) != tuple(expected[1:] if vocab else expected) or \
+                (vocab and inner[0] < cfg.vocab_size):
+            raise ValueError(f"{reader.dir}: {key} has per-layer shape {list(inner)}, expected {list(expected)} for "
+                             f"model config {cfg.name!r}")
+    return rules
+
+
+def hf_specs(cfg: ModelConfig, reader: DistCheckpointReader, rules: list[mapping.BoundRule]) -> list[TensorSpec]:
+    """Names, shapes and dtypes of the HF tensors the checkpoint will produce, in write order."""
+    specs = []
+    for rule in rules:
+        dtype = reader.dtype(dist_key(rule))
+        shapes = rule.hf_shapes(cfg)
+        specs += [TensorSpec(name, shapes[name], dtype) for name in rule.hf_outputs]
+    return specs
+
+
+def iter_megatron_hf_tensors(reader: DistCheckpointReader, cfg: ModelConfig, rules: list[mapping.BoundRule],
+                             on_rule: Callable[[mapping.BoundRule], None] | None = None
+                             ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield HF tensors, one Megatron tensor (one layer of it) in memory at a time."""
+    for rule in rules:
+        key = dist_key(rule)
+        shape = reader.shape(key)
+        if rule.layer is None:
+            full = reader.read(key, (0,) * len(shape), shape)
+        else:  # one [1, ...] slice of the stacked tensor
+            full = reader.read(key, (rule.layer,) + (0,) * (len(shape) - 1), (1, *shape[1:]))[0]
+        if on_rule:
+            on_rule(rule)
+        yield from rule.to_hf(full, cfg).items()
+        del full
+
+
+def convert_megatron_to_hf(megatron_dir: str | os.PathLike, out: str | os.PathLike, *,
+                           tokenizer: str | os.PathLike | None = None, max_shard_size: int = 5 * 10**9,
+                           model_cfg: ModelConfig | None = None, overwrite: bool = False) -> Path:
+    """Write the HF checkpoint; its ``conversion.json`` is the report (see the module docstring)."""
+    from conversion.config_json import write_config_json
+    from conversion.hf_io import SafetensorsShardWriter
+    from conversion.outdir import atomic_output_dir, check_distinct_paths, check_output_dir, write_marker
+
+    ckpt = resolve_checkpoint_dir(megatron_dir)
+    check_distinct_paths(out, {"--megatron": ckpt, "--tokenizer": tokenizer})
+    check_output_dir(out, overwrite)
+    check_megatron_metadata(ckpt)
+    if model_cfg is None:
+        model_cfg = find_model_config(megatron_dir, ckpt)
+    mapping.get_table(model_cfg.model_type)
+    reader = DistCheckpointReader(ckpt)
+    try:
+        rules = check_checkpoint(reader, model_cfg)
+        specs = hf_specs(model_cfg, reader, rules)
+        extra = ckpt / "hf_extra"
+        with atomic_output_dir(out, overwrite) as tmp:
+            writer = SafetensorsShardWriter(tmp, specs, max_shard_size)
+            try:
+                for name, tensor in iter_megatron_hf_tensors(reader, model_cfg, rules):
+                    writer.write(name, tensor)
+                writer.close()
+            except BaseException:
+                writer.abort()
+                raise
+            config_report = write_config_json(tmp, ckpt, model_cfg, dtype_name(specs[0].dtype))
+            tok_src = Path(tokenizer) if tokenizer else (extra if extra.exists() else None)
+            copied = copy_tokenizer_files(tok_src, tmp) if tok_src else []
+            gen = (tok_src / "generation_config.json") if tok_src else None
+            if gen is not None and gen.exists():
+                shutil.copyfile(gen, tmp / "generation_config.json")
+            else:
+                write_json(tmp / "generation_config.json", {
+                    k: v for k, v in {"bos_token_id": model_cfg.bos_token_id,
+                                      "eos_token_id": model_cfg.eos_token_id}.items() if v is not None})
+            if not copied:
+                logger.warning("no tokenizer files copied; pass --tokenizer DIR to include them")
+            write_marker(tmp, {"direction": "megatron-to-hf", "source": str(ckpt.resolve()),
+                               "model_type": model_cfg.model_type, "dtype": dtype_name(specs[0].dtype),
+                               "num_tensors": len(specs), "tokenizer_files": copied, "config_json": config_report})
+    finally:
+        reader.close()
+    return Path(out)

@@ -1,0 +1,88 @@
+"""config.json carry-over: only the fields that must change change, each one reported (in process, no Megatron)."""
+
+import dataclasses
+import json
+import shutil
+
+import pytest
+
+from conversion.config_json import carry_over_config
+from conversion.megatron_to_hf import convert_megatron_to_hf
+from megatron_arpo.model_config import load_model_config
+from megatron_arpo.testing.real_shaped import PUBLISHED_CONFIGS, real_shaped_config
+from megatron_arpo.testing.tiny import tiny_checkpoint
+from test_conversion_cli import run_cli
+
+
+def test_nothing_changes_when_config_and_weights_agree():
+    original = PUBLISHED_CONFIGS["qwq-32b"]
+    config, changes = carry_over_config(original, load_model_config("qwq-32b"), "bfloat16")
+    assert config == original and list(config) == list(original) and changes == []
+
+
+def test_an_architecture_disagreement_is_changed_to_what_the_weights_say_and_reported():
+    original = real_shaped_config("qwen3-8b", num_layers=36)
+    cfg = dataclasses.replace(load_model_config("qwen3-8b"), vocab_size=151680)
+    config, changes = carry_over_config(original, cfg, "bfloat16")
+    assert [(c.field, c.old, c.new) for c in changes] == [("vocab_size", 151936, 151680)]
+    assert "the weights have vocab_size=151680" in changes[0].describe()
+    assert {k for k in original if config[k] != original[k]} == {"vocab_size"}
+
+
+def test_transformers_5_keys_dtype_and_rope_parameters_are_kept_in_their_place():
+    original = dict(PUBLISHED_CONFIGS["qwen3-4b"], num_hidden_layers=36)
+    del original["torch_dtype"], original["rope_theta"]
+    original["dtype"] = "bfloat16"
+    original["rope_parameters"] = {"rope_theta": 500000.0, "rope_type": "default"}
+    config, changes = carry_over_config(original, load_model_config("qwen3-4b"), "float32")
+    assert "torch_dtype" not in config and "rope_theta" not in config
+    assert config["dtype"] == "float32" and config["rope_parameters"] == {"rope_theta": 1e6, "rope_type": "default"}
+    assert sorted(c.field for c in changes) == ["dtype", "rope_parameters.rope_theta"]
+
+
+def test_a_missing_dtype_key_is_added_and_reported_as_absent_before():
+    original = dict(PUBLISHED_CONFIGS["qwq-32b"])
+    del original["torch_dtype"]
+    config, changes = carry_over_config(original, load_model_config("qwq-32b"), "bfloat16")
+    assert config["torch_dtype"] == "bfloat16"
+    assert changes[0].describe() == 'torch_dtype: (absent) -> "bfloat16" (the exported tensors are bfloat16)'
+
+
+def test_unexpressible_disagreement_is_an_error():
+    cfg = dataclasses.replace(load_model_config("qwq-32b"), qk_layernorm=True)
+    with pytest.raises(ValueError, match="qk_layernorm.*cannot express"):
+        carry_over_config(PUBLISHED_CONFIGS["qwq-32b"], cfg, "bfloat16")
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cfg")
+    run_cli("hf-to-megatron", "--hf", tiny_checkpoint("tiny-qwq"), "--out", root / "mg")
+    return root / "mg"
+
+
+def test_without_a_recorded_original_the_config_is_generated_and_the_report_says_so(converted, tmp_path):
+    mg = tmp_path / "mg"
+    shutil.copytree(converted, mg)
+    (mg / "hf_extra" / "config.json").unlink()
+    convert_megatron_to_hf(mg, tmp_path / "hf")
+    report = json.loads((tmp_path / "hf" / "conversion.json").read_text())
+    assert report["config_json"]["origin"].startswith("generated from the model config")
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "qwen2"
+
+
+def test_legacy_hf_config_json_is_used_and_a_corrupt_original_is_named(converted, tmp_path):
+    mg = tmp_path / "mg"
+    shutil.copytree(converted, mg)
+    original = mg / "hf_extra" / "config.json"
+    (mg / "hf_config.json").write_text(json.dumps(json.loads(original.read_text()), sort_keys=True))
+    original.unlink()
+    convert_megatron_to_hf(mg, tmp_path / "hf")
+    report = json.loads((tmp_path / "hf" / "conversion.json").read_text())
+    assert report["config_json"] == {"origin": str(mg / "hf_config.json"), "changed": []}
+    assert json.loads((tmp_path / "hf" / "config.json").read_text()) == json.loads(
+        (tiny_checkpoint("tiny-qwq") / "config.json").read_text())
+    (mg / "hf_config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="hf_config.json: the recorded original config.json is not valid JSON"):
+        convert_megatron_to_hf(mg, tmp_path / "hf2")
+    assert not (tmp_path / "hf2").exists()
