@@ -2,15 +2,20 @@
 
 Builds synthetic HF checkpoints with QwQ-32B's width (hidden 5120, FFN 27648, 40/8 heads, head_dim 128,
 vocab 152064, bf16) and 2, 4 and 8 layers, converts each to Megatron (``--tp 2 --pp 2``) and back with
-the real CLI in child processes, and prints one table. Per run it reports
+the real CLI in child processes (start-up and imports included), and prints one table. Every size is
+run ``--repeats`` times (default 2), each run with its own ``cp`` next to it. Per run it reports
 
 - MB/s of each direction and of ``cp`` of the same safetensors files in the same run (both fsync'd),
 - the child's peak RSS (``VmHWM``) and peak anonymous RSS (sampled ``RssAnon``: file-backed pages of
   memory-mapped inputs are page cache the kernel can drop) against the largest single tensor,
 - that the round trip is bit-exact (every tensor compared).
 
+``--width reduced`` (hidden 1024, FFN 3072, 8/2 heads of 128, same vocabulary) with ``--layers 2 16 64``
+checks that peak memory does not grow with the layer count.
+
 Disk: about 3x the checkpoint size at a time (source, Megatron, HF output; deleted after each size);
-8 layers is ~11 GB of bf16. Usage: ``python benchmarks/conversion.py [--layers 2 4 8] [--workdir DIR]``.
+8 layers is ~11 GB of bf16. Usage:
+``python benchmarks/conversion.py [--layers 2 4 8] [--width qwq|reduced] [--repeats 2] [--workdir DIR]``.
 """
 
 from __future__ import annotations
@@ -33,9 +38,12 @@ QWQ_WIDTH = dict(model_type="qwen2", hidden_size=5120, num_attention_heads=40, n
                  head_dim=128, intermediate_size=27648, vocab_size=152064, rms_norm_eps=1e-5,
                  rope_theta=1e6, max_position_embeddings=40960, tie_word_embeddings=False,
                  attention_bias=True, qk_layernorm=False, torch_dtype="bfloat16")
+REDUCED_WIDTH = dict(QWQ_WIDTH, hidden_size=1024, num_attention_heads=8, num_key_value_heads=2,
+                     intermediate_size=3072)
+WIDTHS = {"qwq": QWQ_WIDTH, "reduced": REDUCED_WIDTH}
 
 
-def build_synthetic(layers: int, out: Path):
+def build_synthetic(layers: int, out: Path, width: dict = QWQ_WIDTH):
     import torch
     import yaml
 
@@ -43,7 +51,7 @@ def build_synthetic(layers: int, out: Path):
     from conversion.hf_io import SafetensorsShardWriter, TensorSpec, write_json
     from megatron_arpo.model_config import hf_config_dict, model_config_from_dict
 
-    cfg = model_config_from_dict(dict(QWQ_WIDTH, name=f"qwq-width-{layers}l", num_hidden_layers=layers))
+    cfg = model_config_from_dict(dict(width, name=f"synthetic-{layers}l", num_hidden_layers=layers))
     out.mkdir(parents=True)
     specs = [TensorSpec(name, shape, torch.bfloat16) for rule in mapping.bind_table(cfg)
              for name, shape in rule.hf_shapes(cfg).items() if name in rule.hf_outputs]
@@ -98,47 +106,59 @@ def timed_cp(src: Path, dst: Path) -> float:
     return time.perf_counter() - start
 
 
+def run_once(layers: int, width: dict, work: Path, tp: int, pp: int) -> dict:
+    from conversion.verify import compare_hf_dirs
+
+    work.mkdir()
+    try:
+        cfg, largest, total = build_synthetic(layers, work / "hf", width)
+        cp_s = timed_cp(work / "hf", work / "cp")
+        shutil.rmtree(work / "cp")
+        py = [sys.executable, "-m", "conversion"]
+        to_mg = _peak_child(py + ["hf-to-megatron", "--hf", str(work / "hf"), "--out", str(work / "mg"),
+                                  "--tp", str(tp), "--pp", str(pp), "--model-config", str(work / "hf.yaml")])
+        to_hf = _peak_child(py + ["megatron-to-hf", "--megatron", str(work / "mg"), "--out", str(work / "back")])
+        exact = not compare_hf_dirs(work / "hf", work / "back")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return dict(layers=layers, gb=total / 1e9, largest_gb=largest / 1e9, cp_mbs=total / 1e6 / cp_s,
+                to_mg_mbs=total / 1e6 / to_mg[0], to_mg_hwm=to_mg[1] / 1e9, to_mg_anon=to_mg[2] / 1e9,
+                to_hf_mbs=total / 1e6 / to_hf[0], to_hf_hwm=to_hf[1] / 1e9, to_hf_anon=to_hf[2] / 1e9,
+                to_mg_s=to_mg[0], to_hf_s=to_hf[0], cp_s=cp_s, exact=exact)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--width", choices=sorted(WIDTHS), default="qwq")
+    parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--pp", type=int, default=2)
     args = parser.parse_args()
-    from conversion.verify import compare_hf_dirs
 
     rows = []
     base = Path(tempfile.mkdtemp(prefix="conversion-bench-", dir=args.workdir))
     try:
         for layers in args.layers:
-            work = base / f"l{layers}"
-            work.mkdir()
-            cfg, largest, total = build_synthetic(layers, work / "hf")
-            cp_s = timed_cp(work / "hf", work / "cp")
-            shutil.rmtree(work / "cp")
-            py = [sys.executable, "-m", "conversion"]
-            to_mg = _peak_child(py + ["hf-to-megatron", "--hf", str(work / "hf"), "--out", str(work / "mg"),
-                                      "--tp", str(args.tp), "--pp", str(args.pp),
-                                      "--model-config", str(work / "hf.yaml")])
-            to_hf = _peak_child(py + ["megatron-to-hf", "--megatron", str(work / "mg"), "--out", str(work / "back")])
-            exact = not compare_hf_dirs(work / "hf", work / "back")
-            rows.append(dict(layers=layers, gb=total / 1e9, largest_gb=largest / 1e9, cp_mbs=total / 1e6 / cp_s,
-                             to_mg_mbs=total / 1e6 / to_mg[0], to_mg_hwm=to_mg[1] / 1e9, to_mg_anon=to_mg[2] / 1e9,
-                             to_hf_mbs=total / 1e6 / to_hf[0], to_hf_hwm=to_hf[1] / 1e9, to_hf_anon=to_hf[2] / 1e9,
-                             exact=exact))
-            shutil.rmtree(work)
-            print(json.dumps(rows[-1]), flush=True)
+            for run in range(1, args.repeats + 1):
+                row = dict(run=run, **run_once(layers, WIDTHS[args.width], base / f"l{layers}-r{run}", args.tp,
+                                                args.pp))
+                rows.append(row)
+                print(json.dumps(row), flush=True)
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    print(f"\nQwQ-32B width, bf16, TP={args.tp} PP={args.pp}; RSS = peak VmHWM / peak RssAnon (GB)")
-    print("| layers | ckpt GB | largest tensor GB | cp MB/s | HF->Megatron MB/s (x cp) | RSS | "
+    print(f"\n{args.width} width, bf16, TP={args.tp} PP={args.pp}; RSS = peak VmHWM / peak RssAnon (GB)")
+    print("| layers | run | ckpt GB | largest tensor GB | cp MB/s | HF->Megatron MB/s (x cp) | RSS | "
           "Megatron->HF MB/s (x cp) | RSS | bit-exact |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['layers']} | {r['gb']:.2f} | {r['largest_gb']:.2f} | {r['cp_mbs']:.0f} | "
+        print(f"| {r['layers']} | {r['run']} | {r['gb']:.2f} | {r['largest_gb']:.2f} | {r['cp_mbs']:.0f} | "
               f"{r['to_mg_mbs']:.0f} ({r['to_mg_mbs'] / r['cp_mbs']:.2f}) | {r['to_mg_hwm']:.2f} / {r['to_mg_anon']:.2f} | "
               f"{r['to_hf_mbs']:.0f} ({r['to_hf_mbs'] / r['cp_mbs']:.2f}) | {r['to_hf_hwm']:.2f} / {r['to_hf_anon']:.2f} | "
               f"{'yes' if r['exact'] else 'NO'} |")
+    worst = min(min(r['to_mg_mbs'], r['to_hf_mbs']) / r['cp_mbs'] for r in rows)
+    print(f"lowest ratio to cp over all rows and both directions: {worst:.2f}")
 
 
 if __name__ == "__main__":

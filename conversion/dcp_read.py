@@ -5,12 +5,17 @@ torch.distributed.checkpoint (DCP) directory whose ``.metadata`` lists every sav
 (global offsets and sizes) and where its bytes are (file, offset, length; each chunk is one
 ``torch.save`` record). :class:`DistCheckpointReader` reads that metadata once, checks every ``.distcp``
 file against it up front (a truncated copy is reported naming the file, before anything is written),
-and reads any rectangular region of a tensor by loading the chunks that intersect it:
+and answers two questions:
 
-- when one saved chunk is exactly the region (a converted checkpoint, or any TP=1 training save), the
-  loaded chunk is returned as is: one copy of the tensor in memory, read straight into its storage;
-- otherwise (TP-sharded training checkpoints, ``linear_fc1``'s two halves) the region is allocated once
-  and each intersecting chunk is loaded and copied in, one chunk at a time.
+- :meth:`DistCheckpointReader.row_chunks`: where the rows of a tensor (of one layer of it) lie in the
+  files, when every chunk spans whole rows and stores them plainly (each chunk is a ``torch.save`` zip
+  whose single data record is the row-major, uncompressed tensor: its offset comes from the zip's local
+  header, its dtype/shape/strides from ``torch.load(map_location="meta")``, which reads no data). The
+  converter then copies byte ranges file to file.
+- :meth:`DistCheckpointReader.read`: any rectangular region of a tensor, by loading the chunks that
+  intersect it. When one saved chunk is exactly the region, the loaded chunk is returned as is (one copy
+  of the tensor in memory, read straight into its storage); otherwise the region is allocated once and
+  each intersecting chunk is loaded and copied in, one chunk at a time.
 
 Compared with Megatron's ``TorchDistLoadShardedStrategy`` (what this replaced) there is no per-call
 metadata re-read, no planner and no collective, and importing it costs torch only (megatron-core takes
@@ -22,6 +27,9 @@ from __future__ import annotations
 import io
 import json
 import os
+import struct
+import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,6 +37,18 @@ import torch
 MEGATRON_METADATA = "metadata.json"
 DCP_METADATA = ".metadata"
 SUPPORTED_BACKEND = "torch_dist"
+
+
+@dataclass(frozen=True)
+class RowChunk:
+    """Rows ``[row, row + rows)`` of a tensor (of one layer of it) stored back to back at ``offset`` in a file."""
+
+    fd: int
+    path: Path
+    row: int
+    rows: int
+    offset: int
+    row_bytes: int
 
 
 class _FileView(io.RawIOBase):
@@ -100,6 +120,7 @@ class DistCheckpointReader:
                          for index, info in metadata.storage_data.items()}
         self._check_files()
         self._handles: dict[str, object] = {}
+        self._layouts: dict[tuple[str, tuple[int, ...]], int | None] = {}
 
     def _check_files(self) -> None:
         ends: dict[str, int] = {}
@@ -127,11 +148,9 @@ class DistCheckpointReader:
         if info.transform_descriptors:
             raise ValueError(f"{path}: {key} is stored with transforms {list(info.transform_descriptors)} "
                              f"(compression?); only plain torch_dist checkpoints can be converted")
-        handle = self._handles.get(info.relative_path)
-        if handle is None:
-            handle = self._handles[info.relative_path] = open(path, "rb")
         try:
-            return torch.load(_FileView(handle, info.offset, info.length), map_location="cpu", weights_only=True)
+            return torch.load(_FileView(self._handle(info.relative_path), info.offset, info.length),
+                              map_location="cpu", weights_only=True)
         except Exception as exc:
             raise ValueError(f"{path}: cannot read {key} at offset {list(offsets)} (bytes {info.offset}.."
                              f"{info.offset + info.length}: {type(exc).__name__}: {exc}); the shard is corrupt, "
@@ -164,6 +183,73 @@ class DistCheckpointReader:
             raise ValueError(f"{self.dir}: the saved chunks of {key} cover {covered} of the {out.numel()} elements "
                              f"at offset {list(offsets)} size {list(sizes)}; the checkpoint is incomplete")
         return out
+
+    def _handle(self, relative_path: str):
+        handle = self._handles.get(relative_path)
+        if handle is None:
+            handle = self._handles[relative_path] = open(self.dir / relative_path, "rb")
+        return handle
+
+    def _stored_bytes(self, key: str, offsets: tuple[int, ...]) -> int | None:
+        """File offset of a chunk's raw tensor bytes, if they are stored plainly (row-major, uncompressed)."""
+        info = self._storage[(key, offsets)]
+        if info.transform_descriptors:
+            return None
+        view = _FileView(self._handle(info.relative_path), info.offset, info.length)
+        try:
+            meta = torch.load(view, map_location="meta", weights_only=True)  # reads data.pkl only
+            view.seek(0)
+            archive = zipfile.ZipFile(view)
+            records = [i for i in archive.infolist() if "/data/" in i.filename and not i.filename.endswith("/")
+                       and "/.data/" not in i.filename]
+        except Exception:  # noqa: BLE001 - anything unexpected: read it through torch.load instead
+            return None
+        md = self.tensors[key]
+        if not isinstance(meta, torch.Tensor) or meta.dtype != md.properties.dtype or not meta.is_contiguous() \
+                or meta.storage_offset() != 0 or len(records) != 1 or records[0].compress_type != zipfile.ZIP_STORED \
+                or records[0].file_size != meta.numel() * meta.element_size():
+            return None
+        view.seek(records[0].header_offset)
+        header = view.read(30)
+        if header[:4] != b"PK\x03\x04":
+            return None
+        name_len, extra_len = struct.unpack("<HH", header[26:30])
+        return info.offset + records[0].header_offset + 30 + name_len + extra_len
+
+    def row_chunks(self, key: str, layer: int | None) -> list[RowChunk] | None:
+        """Where the rows of ``key`` (of one layer of it) are on disk, or None if not as whole rows.
+
+        Every saved chunk holding rows of the tensor must span all its other dimensions (true of converted
+        checkpoints and of column-parallel TP splits; a row-parallel split stores half rows) and be stored
+        plainly; the chunks must cover every row.
+        """
+        md = self.tensors[key]
+        shape, lead = tuple(md.size), (0 if layer is None else 1)
+        if len(shape) <= lead:
+            return None
+        element = torch.empty((), dtype=md.properties.dtype).element_size()
+        row_bytes = element
+        for size in shape[lead + 1:]:
+            row_bytes *= size
+        out, covered = [], 0
+        for chunk in md.chunks:
+            offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+            if layer is not None and not offsets[0] <= layer < offsets[0] + sizes[0]:
+                continue
+            if offsets[lead + 1:] != (0,) * (len(shape) - lead - 1) or sizes[lead + 1:] != shape[lead + 1:]:
+                return None
+            start = self._layouts.get((key, offsets), -1)
+            if start == -1:
+                start = self._layouts[(key, offsets)] = self._stored_bytes(key, offsets)
+            if start is None:
+                return None
+            if layer is not None:
+                start += (layer - offsets[0]) * sizes[1] * row_bytes
+            info = self._storage[(key, offsets)]
+            out.append(RowChunk(self._handle(info.relative_path).fileno(), self.dir / info.relative_path,
+                                offsets[lead], sizes[lead], start, row_bytes))
+            covered += sizes[lead]
+        return sorted(out, key=lambda c: c.row) if covered == shape[lead] else None
 
     def close(self) -> None:
         for handle in self._handles.values():

@@ -7,7 +7,8 @@
 - :class:`SafetensorsShardWriter` writes safetensors shards *without buffering a shard in memory*: the
   caller declares every output tensor (name, shape, dtype) up front, so each shard's header and every
   tensor's byte offset are known before any data arrives; tensors are then written (in any order) with
-  ``os.pwrite`` at their offset. Peak memory is the tensor being written, not the shard size.
+  ``os.pwrite`` at their offset, or copied straight from another file's byte range (``copy_range``:
+  ``os.copy_file_range``, as ``cp`` does). Peak memory is the tensor being written, not the shard size.
 - :func:`atomic_output_dir` (re-exported from :mod:`conversion.outdir`, which also guards the paths):
   output is built in a temporary sibling directory and renamed into place only when complete. No
   half-written checkpoint is ever visible at the target path.
@@ -15,6 +16,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -229,6 +231,7 @@ class SafetensorsShardWriter:
                 self._where[spec.name] = (fd, base + header[spec.name]["data_offsets"][0], spec)
                 self.weight_map[spec.name] = fname
         self._pending = set(self._where)
+        self._copied: dict[str, int] = {}
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         try:
@@ -245,6 +248,24 @@ class SafetensorsShardWriter:
             written += os.pwrite(fd, view[written:], offset + written)
         self._pending.discard(name)
 
+    def copy_range(self, name: str, src_fd: int, src_offset: int, nbytes: int, dst_offset: int) -> None:
+        """Copy ``nbytes`` of a file into tensor ``name`` at byte ``dst_offset``, in the kernel when it can.
+
+        ``os.copy_file_range`` moves the bytes page cache to page cache, as ``cp`` does: no user-space
+        buffer, no tensor. Where the kernel or filesystem refuses, a bounded pread/pwrite loop does it.
+        The tensor counts as written once all its bytes have been copied.
+        """
+        try:
+            fd, offset, spec = self._where[name]
+        except KeyError:
+            raise KeyError(f"tensor {name!r} was not declared to the shard writer") from None
+        if dst_offset < 0 or dst_offset + nbytes > spec.nbytes:
+            raise ValueError(f"{name}: bytes [{dst_offset}, {dst_offset + nbytes}) fall outside its {spec.nbytes}")
+        _copy_file_range(src_fd, src_offset, fd, offset + dst_offset, nbytes)
+        self._copied[name] = self._copied.get(name, 0) + nbytes
+        if self._copied[name] == spec.nbytes:
+            self._pending.discard(name)
+
     def close(self) -> None:
         if self._pending:
             raise ValueError(f"{len(self._pending)} declared tensor(s) never written: {sorted(self._pending)[:10]}")
@@ -260,6 +281,32 @@ class SafetensorsShardWriter:
         for fd in self._fds:
             os.close(fd)
         self._fds = []
+
+
+_COPY_BLOCK = 64 * 2**20
+
+
+def _copy_file_range(src: int, src_offset: int, dst: int, dst_offset: int, nbytes: int) -> None:
+    done = 0
+    use_kernel = hasattr(os, "copy_file_range")
+    while done < nbytes:
+        if use_kernel:
+            try:
+                n = os.copy_file_range(src, dst, nbytes - done, src_offset + done, dst_offset + done)
+            except OSError as exc:
+                if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EPERM):
+                    raise
+                use_kernel = False  # e.g. across filesystems on older kernels
+                continue
+        else:
+            data = os.pread(src, min(_COPY_BLOCK, nbytes - done), src_offset + done)
+            n = len(data)
+            written = 0
+            while written < n:
+                written += os.pwrite(dst, memoryview(data)[written:], dst_offset + done + written)
+        if n == 0:
+            raise ValueError(f"source file ended {nbytes - done} bytes early while copying (truncated?)")
+        done += n
 
 
 def write_json(path: Path, data: Mapping) -> None:

@@ -6,8 +6,11 @@ three things:
 
 - how to build *one tensor-parallel shard* of the Megatron parameter from the HF tensors, reading only
   the rows/columns that shard needs (``read_shard``);
-- how to turn the *full* (TP-unsharded) Megatron tensor back into HF tensors (``to_hf``) — the reverse
-  direction comes from the same rule, never from a second table;
+- how to turn the *full* (TP-unsharded) Megatron tensor back into HF tensors — the reverse direction
+  comes from the same rule, never from a second table. Every reverse transform here is a permutation of
+  row blocks along dim 0 (``hf_row_blocks``: which rows of the Megatron tensor make which rows of each HF
+  tensor); ``to_hf`` applies it to a tensor, and ``megatron-to-hf`` applies it to the bytes on disk
+  (kernel-side copies, no tensor in memory; :mod:`conversion.megatron_to_hf`);
 - the HF and Megatron shapes it expects, so coverage and shapes are checked before anything is moved.
 
 The typed transforms:
@@ -74,6 +77,18 @@ def _resolve(shape: tuple[str, ...], cfg: ModelConfig) -> tuple[int, ...]:
     return tuple(d[key] for key in shape)
 
 
+# (first row in the Megatron tensor, number of rows, first row in the HF tensor), rows along dim 0.
+RowBlock = tuple[int, int, int]
+
+
+def take_rows(full: torch.Tensor, blocks: list[RowBlock]) -> torch.Tensor:
+    """The HF tensor that ``blocks`` cut out of ``full`` (no copy when it is one leading block)."""
+    if len(blocks) == 1 and blocks[0][2] == 0:
+        start, rows, _ = blocks[0]
+        return full if (start, rows) == (0, full.shape[0]) else full.narrow(0, start, rows).contiguous()
+    return torch.cat([full.narrow(0, start, rows) for start, rows, _ in sorted(blocks, key=lambda b: b[2])])
+
+
 def _split_range(size: int, tp_rank: int, tp_size: int, what: str) -> tuple[int, int]:
     if size % tp_size:
         raise ValueError(f"{what}: dimension {size} is not divisible by tensor-parallel size {tp_size}")
@@ -111,8 +126,12 @@ class Copy:
         start, stop = _split_range(_resolve(self.shape, cfg)[dim], tp_rank, tp_size, self.megatron)
         return read(self.hf, dim, start, stop)
 
+    def hf_row_blocks(self, cfg: ModelConfig) -> dict[str, list[RowBlock]]:
+        rows = _resolve(self.shape, cfg)[0]
+        return {self.hf: [(0, rows, 0)]}
+
     def to_hf(self, full: torch.Tensor, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-        return {self.hf: full}
+        return {name: take_rows(full, b) for name, b in self.hf_row_blocks(cfg).items()}
 
 
 @dataclass(frozen=True)
@@ -153,15 +172,17 @@ class FusedQKV:
                            v.reshape(local, head_dim, *tail)], dim=1)
         return fused.reshape(local * (q_per_group + 2) * head_dim, *tail)  # [groups/tp*(qpg+2)*hd, hidden]
 
-    def to_hf(self, full: torch.Tensor, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    def hf_row_blocks(self, cfg: ModelConfig) -> dict[str, list[RowBlock]]:
+        # Group g of linear_qkv is [q heads of g; k_g; v_g]: (q_per_group + 2) * head_dim rows.
         groups, head_dim = cfg.num_query_groups, cfg.head_dim
-        q_per_group = cfg.num_attention_heads // groups
-        tail = full.shape[1:]
-        grouped = full.reshape(groups, (q_per_group + 2) * head_dim, *tail)
-        q, k, v = torch.split(grouped, [q_per_group * head_dim, head_dim, head_dim], dim=1)
-        return {self.q: q.reshape(groups * q_per_group * head_dim, *tail).contiguous(),
-                self.k: k.reshape(groups * head_dim, *tail).contiguous(),
-                self.v: v.reshape(groups * head_dim, *tail).contiguous()}
+        q_rows = cfg.num_attention_heads // groups * head_dim
+        group_rows = q_rows + 2 * head_dim
+        return {self.q: [(g * group_rows, q_rows, g * q_rows) for g in range(groups)],
+                self.k: [(g * group_rows + q_rows, head_dim, g * head_dim) for g in range(groups)],
+                self.v: [(g * group_rows + q_rows + head_dim, head_dim, g * head_dim) for g in range(groups)]}
+
+    def to_hf(self, full: torch.Tensor, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+        return {name: take_rows(full, b) for name, b in self.hf_row_blocks(cfg).items()}
 
 
 @dataclass(frozen=True)
@@ -188,9 +209,12 @@ class FusedGateUp:
         start, stop = _split_range(cfg.intermediate_size, tp_rank, tp_size, self.megatron)
         return torch.cat([read(self.gate, 0, start, stop), read(self.up, 0, start, stop)], dim=0)
 
+    def hf_row_blocks(self, cfg: ModelConfig) -> dict[str, list[RowBlock]]:
+        ffn = cfg.intermediate_size
+        return {self.gate: [(0, ffn, 0)], self.up: [(ffn, ffn, 0)]}
+
     def to_hf(self, full: torch.Tensor, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-        gate, up = torch.chunk(full, 2, dim=0)
-        return {self.gate: gate.contiguous(), self.up: up.contiguous()}
+        return {name: take_rows(full, b) for name, b in self.hf_row_blocks(cfg).items()}
 
 
 @dataclass(frozen=True)
@@ -235,12 +259,14 @@ class VocabEmbedding:
             out[: rows.shape[0]] = rows
         return out
 
+    def hf_row_blocks(self, cfg: ModelConfig) -> dict[str, list[RowBlock]]:
+        return {} if self.is_tied(cfg) else {self.hf: [(0, cfg.vocab_size, 0)]}  # padding rows dropped
+
     def to_hf(self, full: torch.Tensor, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-        if self.is_tied(cfg):
-            return {}
-        if full.shape[0] < cfg.vocab_size:
+        blocks = self.hf_row_blocks(cfg)
+        if blocks and full.shape[0] < cfg.vocab_size:
             raise ValueError(f"{self.megatron}: {full.shape[0]} rows, fewer than vocab_size {cfg.vocab_size}")
-        return {self.hf: full[: cfg.vocab_size].contiguous()}
+        return {name: take_rows(full, b) for name, b in blocks.items()}
 
 
 Rule = Copy | FusedQKV | FusedGateUp | VocabEmbedding
@@ -339,6 +365,9 @@ class BoundRule:
 
     def to_hf(self, full: torch.Tensor, cfg: ModelConfig) -> dict[str, torch.Tensor]:
         return {self.fill(k): v for k, v in self.rule.to_hf(full, cfg).items()}
+
+    def hf_row_blocks(self, cfg: ModelConfig) -> dict[str, list[RowBlock]]:
+        return {self.fill(k): v for k, v in self.rule.hf_row_blocks(cfg).items()}
 
 
 def bind_table(cfg: ModelConfig) -> list[BoundRule]:

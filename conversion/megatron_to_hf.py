@@ -2,10 +2,17 @@
 
 The reader is :class:`conversion.dcp_read.DistCheckpointReader` (torch.distributed.checkpoint files and
 our tables only: no process group, no megatron-core import, which alone costs several seconds per call).
-For each rule of the table, in Megatron order, one layer's tensor is read (the per-layer tensors are
-stacked on a leading layer axis in the checkpoint), turned into HF tensors by the rule and streamed into
-safetensors shards whose layout was planned up front (:class:`conversion.hf_io.SafetensorsShardWriter`),
-then dropped: peak memory is about one tensor, whatever the number of layers.
+Safetensors shards are planned up front (:class:`conversion.hf_io.SafetensorsShardWriter`), then every
+rule of the table, in Megatron order, is written one of two ways:
+
+- as bytes (:func:`copy_rule_bytes`): every reverse transform of the tables is a permutation of row blocks
+  (q/k/v out of the per-group interleave, gate/up halves, the real vocabulary rows), and a ``torch_dist``
+  chunk stores its rows back to back, so each HF tensor is a few ``os.copy_file_range`` calls from the
+  ``.distcp`` files into the shard: what ``cp`` does, with no tensor in memory. This covers converted
+  checkpoints and column-parallel splits;
+- through memory (:func:`read_rule_tensors`) otherwise (row-parallel TP splits of training checkpoints,
+  compressed storage): one layer's tensor is read, turned into HF tensors by the rule and written, then
+  dropped. Peak memory is about one tensor, whatever the number of layers.
 
 Directories accepted (see :func:`resolve_checkpoint_dir`): ``DIR`` itself when it holds ``metadata.json``;
 else ``DIR/model``; else, for a training run directory with ``latest_checkpointed_iteration.txt``,
@@ -22,10 +29,10 @@ the report (source, dtype, config.json origin and every field changed) and the m
 from __future__ import annotations
 
 import logging
+import math
 import os
 import shutil
 from pathlib import Path
-from typing import Callable, Iterator
 
 import torch
 import yaml
@@ -116,26 +123,48 @@ def hf_specs(cfg: ModelConfig, reader: DistCheckpointReader, rules: list[mapping
     return specs
 
 
-def iter_megatron_hf_tensors(reader: DistCheckpointReader, cfg: ModelConfig, rules: list[mapping.BoundRule],
-                             on_rule: Callable[[mapping.BoundRule], None] | None = None
-                             ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield HF tensors, one Megatron tensor (one layer of it) in memory at a time."""
-    for rule in rules:
-        key = dist_key(rule)
-        shape = reader.shape(key)
-        if rule.layer is None:
-            full = reader.read(key, (0,) * len(shape), shape)
-        else:  # one [1, ...] slice of the stacked tensor
-            full = reader.read(key, (rule.layer,) + (0,) * (len(shape) - 1), (1, *shape[1:]))[0]
-        if on_rule:
-            on_rule(rule)
-        yield from rule.to_hf(full, cfg).items()
-        del full
+def read_rule_tensors(reader: DistCheckpointReader, cfg: ModelConfig,
+                      rule: mapping.BoundRule) -> dict[str, torch.Tensor]:
+    """The HF tensors of one rule, built in memory from its Megatron tensor (one layer of it)."""
+    key = dist_key(rule)
+    shape = reader.shape(key)
+    if rule.layer is None:
+        full = reader.read(key, (0,) * len(shape), shape)
+    else:  # one [1, ...] slice of the stacked tensor
+        full = reader.read(key, (rule.layer,) + (0,) * (len(shape) - 1), (1, *shape[1:]))[0]
+    return rule.to_hf(full, cfg)
+
+
+def copy_rule_bytes(reader: DistCheckpointReader, writer, cfg: ModelConfig, rule: mapping.BoundRule) -> bool:
+    """Write a rule's HF tensors as kernel-side copies of byte ranges of the checkpoint files.
+
+    The rule's row blocks (:meth:`mapping.BoundRule.hf_row_blocks`) say which rows of the Megatron tensor
+    make which rows of each HF tensor; :meth:`DistCheckpointReader.row_chunks` says where those rows are
+    on disk. Returns False, having written nothing, when the rows are not stored whole (a row-parallel
+    split) or plainly: the caller then goes through tensors.
+    """
+    chunks = reader.row_chunks(dist_key(rule), rule.layer)
+    if chunks is None:
+        return False
+    element = torch.empty((), dtype=reader.dtype(dist_key(rule))).element_size()
+    blocks = rule.hf_row_blocks(cfg)
+    for name, shape in rule.hf_shapes(cfg).items():
+        if name in blocks and math.prod(shape[1:]) * element != chunks[0].row_bytes:
+            return False
+    for name, name_blocks in blocks.items():
+        for start, rows, dst in name_blocks:
+            for chunk in chunks:
+                lo, hi = max(start, chunk.row), min(start + rows, chunk.row + chunk.rows)
+                if lo < hi:
+                    writer.copy_range(name, chunk.fd, chunk.offset + (lo - chunk.row) * chunk.row_bytes,
+                                      (hi - lo) * chunk.row_bytes, (dst + lo - start) * chunk.row_bytes)
+    return True
 
 
 def convert_megatron_to_hf(megatron_dir: str | os.PathLike, out: str | os.PathLike, *,
                            tokenizer: str | os.PathLike | None = None, max_shard_size: int = 5 * 10**9,
-                           model_cfg: ModelConfig | None = None, overwrite: bool = False) -> Path:
+                           model_cfg: ModelConfig | None = None, overwrite: bool = False,
+                           byte_copy: bool = True) -> Path:
     """Write the HF checkpoint; its ``conversion.json`` is the report (see the module docstring)."""
     from conversion.config_json import write_config_json
     from conversion.hf_io import SafetensorsShardWriter
@@ -155,16 +184,22 @@ def convert_megatron_to_hf(megatron_dir: str | os.PathLike, out: str | os.PathLi
         extra = ckpt / "hf_extra"
         with atomic_output_dir(out, overwrite) as tmp:
             writer = SafetensorsShardWriter(tmp, specs, max_shard_size)
+            copied = 0
             try:
-                for name, tensor in iter_megatron_hf_tensors(reader, model_cfg, rules):
-                    writer.write(name, tensor)
+                for rule in rules:
+                    if byte_copy and copy_rule_bytes(reader, writer, model_cfg, rule):
+                        copied += len(rule.hf_outputs)
+                        continue
+                    for name, tensor in read_rule_tensors(reader, model_cfg, rule).items():
+                        writer.write(name, tensor)
                 writer.close()
             except BaseException:
                 writer.abort()
                 raise
+            logger.info("%d of %d tensors copied as byte ranges, the rest through memory", copied, len(specs))
             config_report = write_config_json(tmp, ckpt, model_cfg, dtype_name(specs[0].dtype))
             tok_src = Path(tokenizer) if tokenizer else (extra if extra.exists() else None)
-            copied = copy_tokenizer_files(tok_src, tmp) if tok_src else []
+            tok_files = copy_tokenizer_files(tok_src, tmp) if tok_src else []
             gen = (tok_src / "generation_config.json") if tok_src else None
             if gen is not None and gen.exists():
                 shutil.copyfile(gen, tmp / "generation_config.json")
@@ -172,11 +207,12 @@ def convert_megatron_to_hf(megatron_dir: str | os.PathLike, out: str | os.PathLi
                 write_json(tmp / "generation_config.json", {
                     k: v for k, v in {"bos_token_id": model_cfg.bos_token_id,
                                       "eos_token_id": model_cfg.eos_token_id}.items() if v is not None})
-            if not copied:
+            if not tok_files:
                 logger.warning("no tokenizer files copied; pass --tokenizer DIR to include them")
             write_marker(tmp, {"direction": "megatron-to-hf", "source": str(ckpt.resolve()),
                                "model_type": model_cfg.model_type, "dtype": dtype_name(specs[0].dtype),
-                               "num_tensors": len(specs), "tokenizer_files": copied, "config_json": config_report})
+                               "num_tensors": len(specs), "byte_copied_tensors": copied, "tokenizer_files": tok_files,
+                               "config_json": config_report})
     finally:
         reader.close()
     return Path(out)

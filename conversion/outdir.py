@@ -182,11 +182,8 @@ def write_marker(directory: Path, report: Mapping | None = None) -> None:
 
 
 @contextlib.contextmanager
-def atomic_output_dir(out: str | os.PathLike, overwrite: bool = False,
-                      sources: Mapping[str, str | os.PathLike | None] | None = None) -> Iterator[Path]:
+def atomic_output_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
     """Yield a temp dir beside ``out``; on success rename it to ``out``, on failure delete it."""
-    if sources:
-        check_distinct_paths(out, sources)
     out = check_output_dir(out, overwrite).absolute()
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(out)

@@ -156,3 +156,22 @@ def test_32b_shapes(name):
         assert qkv == ((40 + 16) * 128 // 8, 5120)
         assert shapes["decoder.layers.0.self_attention.linear_qkv.bias"] == ((40 + 16) * 128 // 8,)
         assert shapes["decoder.layers.0.mlp.linear_fc1.weight"] == (2 * 27648 // 8, 5120)
+
+
+@pytest.mark.parametrize("name", ["qwq-32b", "qwen3-32b", *TINY])
+def test_row_blocks_partition_every_hf_tensor_and_read_disjoint_megatron_rows(name):
+    """megatron-to-hf copies these blocks as bytes: each HF row written once, each Megatron row read once."""
+    cfg = load_model_config(name)
+    for rule in (r for r in mapping.bind_table(cfg) if r.layer in (None, 0)):
+        megatron_rows = rule.megatron_shape(cfg, 1)[0]
+        used = []
+        for hf_name, blocks in rule.hf_row_blocks(cfg).items():
+            hf_rows = rule.hf_shapes(cfg)[hf_name][0]
+            covered = sorted((dst, dst + rows) for _, rows, dst in blocks)
+            assert covered[0][0] == 0 and covered[-1][1] == hf_rows, hf_name
+            assert all(a[1] == b[0] for a, b in zip(covered, covered[1:])), hf_name
+            used += [(start, start + rows) for start, rows, _ in blocks]
+        used.sort()
+        assert all(a[1] <= b[0] for a, b in zip(used, used[1:])) and (not used or used[-1][1] <= megatron_rows)
+        if not isinstance(rule.rule, mapping.VocabEmbedding):
+            assert sum(b - a for a, b in used) in (0, megatron_rows), rule.megatron  # all rows but vocab padding

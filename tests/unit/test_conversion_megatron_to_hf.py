@@ -1,4 +1,4 @@
-"""config.json carry-over: only the fields that must change change, each one reported (in process, no Megatron)."""
+"""megatron-to-hf in process (it never imports Megatron): config.json carry-over, byte copies vs tensors."""
 
 import dataclasses
 import json
@@ -8,6 +8,7 @@ import pytest
 
 from conversion.config_json import carry_over_config
 from conversion.megatron_to_hf import convert_megatron_to_hf
+from conversion.verify import compare_hf_dirs
 from megatron_arpo.model_config import load_model_config
 from megatron_arpo.testing.real_shaped import PUBLISHED_CONFIGS, real_shaped_config
 from megatron_arpo.testing.tiny import tiny_checkpoint
@@ -86,3 +87,20 @@ def test_legacy_hf_config_json_is_used_and_a_corrupt_original_is_named(converted
     with pytest.raises(ValueError, match="hf_config.json: the recorded original config.json is not valid JSON"):
         convert_megatron_to_hf(mg, tmp_path / "hf2")
     assert not (tmp_path / "hf2").exists()
+
+
+@pytest.mark.parametrize("name", ["tiny-qwq", "tiny-qwen3"])
+def test_byte_copies_and_the_tensor_path_write_identical_files(tmp_path, name):
+    run_cli("hf-to-megatron", "--hf", tiny_checkpoint(name), "--out", tmp_path / "mg", "--tp", 2)
+    convert_megatron_to_hf(tmp_path / "mg", tmp_path / "bytes", max_shard_size=300_000)
+    convert_megatron_to_hf(tmp_path / "mg", tmp_path / "tensors", max_shard_size=300_000, byte_copy=False)
+    by_bytes = json.loads((tmp_path / "bytes" / "conversion.json").read_text())
+    assert by_bytes["byte_copied_tensors"] == by_bytes["num_tensors"]
+    assert json.loads((tmp_path / "tensors" / "conversion.json").read_text())["byte_copied_tensors"] == 0
+    files = sorted(p.name for p in (tmp_path / "bytes").iterdir())
+    assert len([f for f in files if f.endswith(".safetensors")]) > 2
+    assert files == sorted(p.name for p in (tmp_path / "tensors").iterdir())
+    for fname in files:
+        if fname != "conversion.json":
+            assert (tmp_path / "bytes" / fname).read_bytes() == (tmp_path / "tensors" / fname).read_bytes(), fname
+    assert compare_hf_dirs(tiny_checkpoint(name), tmp_path / "bytes") == []
