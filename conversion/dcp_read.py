@@ -18,8 +18,10 @@ and answers two questions:
   each intersecting chunk is loaded and copied in, one chunk at a time.
 
 Compared with Megatron's ``TorchDistLoadShardedStrategy`` (what this replaced) there is no per-call
-metadata re-read, no planner and no collective, and importing it costs torch only (megatron-core takes
-several seconds to import).
+metadata re-read, no planner and no collective, and it costs torch's import only: megatron-core takes
+several seconds to import, and even ``torch.distributed.checkpoint`` most of one (DTensor, sympy), so
+``.metadata`` is read by a restricted unpickler with stand-ins for DCP's classes
+(:class:`_MetadataUnpickler`; DCP's own reader is the fallback).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import pickle
 import struct
 import zipfile
 from dataclasses import dataclass
@@ -83,6 +86,90 @@ class _FileView(io.RawIOBase):
         return got
 
 
+class _Pickled:
+    """Stand-in for one of DCP's metadata dataclasses: keeps the state it was pickled with as attributes."""
+
+    def __setstate__(self, state):
+        if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):  # (dict, slots)
+            state = {**(state[0] or {}), **state[1]}
+        if not isinstance(state, dict):
+            raise pickle.UnpicklingError(f"unexpected state for {type(self).__name__}")
+        self.__dict__.update(state)
+
+
+class _TensorProperties(_Pickled):
+    def __setstate__(self, state):  # DCP pickles (dtype, layout, requires_grad, memory format code, pin_memory)
+        self.dtype = state[0]
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Reads DCP's ``.metadata`` without importing ``torch.distributed.checkpoint``.
+
+    That package pulls in DTensor, sympy and the planners: most of a second of start-up for a reader
+    that needs five fields. Only the classes a ``.metadata`` file names are allowed (anything else
+    raises, and the caller falls back to DCP's own reader); torch names resolve to torch's objects.
+    """
+
+    _DCP = {"torch.distributed.checkpoint.metadata": ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
+                                                      "ChunkStorageMetadata", "MetadataIndex", "StorageMeta"),
+            "torch.distributed.checkpoint.filesystem": ("_StorageInfo",)}
+    _DEFAULTS = {"MetadataIndex": {"offset": None}, "_StorageInfo": {"transform_descriptors": None}}
+    _classes: dict[str, type] = {}
+
+    def find_class(self, module: str, name: str):
+        if name in self._DCP.get(module, ()):
+            return self._classes.setdefault(name, type(name, (_Pickled,), dict(self._DEFAULTS.get(name, {}))))
+        if (module, name) == ("torch.distributed.checkpoint.metadata", "TensorProperties"):
+            return _TensorProperties
+        if (module, name) == ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"):
+            return int
+        if (module, name) in (("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+                              ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"), ("collections", "OrderedDict")):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if module == "torch" or module.startswith("torch."):
+            raise pickle.UnpicklingError(f"{module}.{name}: not known here")  # another torch version: fall back
+        raise ForeignPickleError(f"refusing to load {module}.{name}: a torch_dist .metadata file names only torch "
+                                 f"classes; this file was not written by torch.distributed.checkpoint (or was "
+                                 f"tampered with)")
+
+
+class ForeignPickleError(pickle.UnpicklingError):
+    """A ``.metadata`` pickle names a non-torch global: never fall back to an unrestricted unpickler."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    dtype: torch.dtype
+    size: tuple[int, ...]
+    chunks: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]  # (global offsets, sizes) of each saved chunk
+
+
+def _tensor_infos(metadata, is_tensor) -> dict[str, TensorInfo]:
+    return {key: TensorInfo(md.properties.dtype, tuple(md.size),
+                            tuple((tuple(c.offsets), tuple(c.sizes)) for c in md.chunks))
+            for key, md in metadata.state_dict_metadata.items() if is_tensor(md)}
+
+
+def read_dcp_metadata(path: Path) -> tuple[dict[str, TensorInfo], dict]:
+    """``(tensors, storage)`` of a ``.metadata`` file; storage is {(key, chunk offsets): where its bytes are}."""
+    try:
+        with open(path, "rb") as fh:
+            metadata = _MetadataUnpickler(fh).load()
+        tensors = _tensor_infos(metadata, lambda md: type(md).__name__ == "TensorStorageMetadata")
+    except ForeignPickleError:
+        raise
+    except Exception:  # noqa: BLE001 - anything unexpected (another torch's layout, damage): DCP's own reader
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        metadata = FileSystemReader(str(path.parent)).read_metadata()
+        tensors = _tensor_infos(metadata, lambda md: isinstance(md, TensorStorageMetadata))
+    storage = {(index.fqn, tuple(index.offset or ())): info for index, info in metadata.storage_data.items()}
+    return tensors, storage
+
+
 def check_megatron_metadata(ckpt: Path) -> None:
     """``metadata.json`` must parse and name the ``torch_dist`` backend (the only one read here)."""
     path = ckpt / MEGATRON_METADATA
@@ -101,23 +188,16 @@ class DistCheckpointReader:
     """Regions of the tensors of one DCP checkpoint directory, read lazily from its ``.distcp`` files."""
 
     def __init__(self, ckpt: str | os.PathLike):
-        from torch.distributed.checkpoint import FileSystemReader
-        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
         self.dir = Path(ckpt)
         meta_path = self.dir / DCP_METADATA
         if not meta_path.exists():
             raise FileNotFoundError(f"{meta_path} not found: {self.dir} is not a complete torch_dist checkpoint "
                                     f"(interrupted save or copy?)")
         try:
-            metadata = FileSystemReader(str(self.dir)).read_metadata()
+            self.tensors, self._storage = read_dcp_metadata(meta_path)
         except Exception as exc:  # pickle raises many types on a damaged file
             raise ValueError(f"{meta_path}: cannot be read ({type(exc).__name__}: {exc}); the checkpoint is corrupt "
                              f"or was copied incompletely, copy it again") from exc
-        self.tensors = {key: md for key, md in metadata.state_dict_metadata.items()
-                        if isinstance(md, TensorStorageMetadata)}
-        self._storage = {(index.fqn, tuple(index.offset or ())): info
-                         for index, info in metadata.storage_data.items()}
         self._check_files()
         self._handles: dict[str, object] = {}
         self._layouts: dict[tuple[str, tuple[int, ...]], int | None] = {}
@@ -137,15 +217,15 @@ class DistCheckpointReader:
                                  f"needs {end}); the checkpoint was copied or saved incompletely, copy it again")
 
     def shape(self, key: str) -> tuple[int, ...]:
-        return tuple(self.tensors[key].size)
+        return self.tensors[key].size
 
     def dtype(self, key: str) -> torch.dtype:
-        return self.tensors[key].properties.dtype
+        return self.tensors[key].dtype
 
     def _load_chunk(self, key: str, offsets: tuple[int, ...]) -> torch.Tensor:
         info = self._storage[(key, offsets)]
         path = self.dir / info.relative_path
-        if info.transform_descriptors:
+        if getattr(info, "transform_descriptors", None):
             raise ValueError(f"{path}: {key} is stored with transforms {list(info.transform_descriptors)} "
                              f"(compression?); only plain torch_dist checkpoints can be converted")
         try:
@@ -158,23 +238,24 @@ class DistCheckpointReader:
 
     def read(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
         """The region ``[offsets, offsets + sizes)`` of tensor ``key`` (global coordinates)."""
-        md = self.tensors[key]
+        info = self.tensors[key]
+        offsets, sizes = tuple(offsets), tuple(sizes)
         region_end = [o + s for o, s in zip(offsets, sizes)]
         hits = []
-        for chunk in md.chunks:
-            lo = [max(a, b) for a, b in zip(offsets, chunk.offsets)]
-            hi = [min(a, b + c) for a, b, c in zip(region_end, chunk.offsets, chunk.sizes)]
+        for chunk_offsets, chunk_sizes in info.chunks:
+            lo = [max(a, b) for a, b in zip(offsets, chunk_offsets)]
+            hi = [min(a, b + c) for a, b, c in zip(region_end, chunk_offsets, chunk_sizes)]
             if all(h > low for low, h in zip(lo, hi)):
-                hits.append((chunk, lo, hi))
-        if len(hits) == 1 and tuple(hits[0][0].offsets) == tuple(offsets) and tuple(hits[0][0].sizes) == tuple(sizes):
-            return self._load_chunk(key, tuple(offsets))
-        out = torch.empty(sizes, dtype=md.properties.dtype)
+                hits.append((chunk_offsets, lo, hi))
+        if len(hits) == 1 and (offsets, sizes) in info.chunks:  # one chunk is exactly the region
+            return self._load_chunk(key, offsets)
+        out = torch.empty(sizes, dtype=info.dtype)
         covered = 0
-        for chunk, lo, hi in hits:
-            data = self._load_chunk(key, tuple(chunk.offsets))
+        for chunk_offsets, lo, hi in hits:
+            data = self._load_chunk(key, chunk_offsets)
             src, dst = data, out
             for dim, (low, high) in enumerate(zip(lo, hi)):
-                src = src.narrow(dim, low - chunk.offsets[dim], high - low)
+                src = src.narrow(dim, low - chunk_offsets[dim], high - low)
                 dst = dst.narrow(dim, low - offsets[dim], high - low)
             dst.copy_(src)
             covered += dst.numel()
@@ -193,7 +274,7 @@ class DistCheckpointReader:
     def _stored_bytes(self, key: str, offsets: tuple[int, ...]) -> int | None:
         """File offset of a chunk's raw tensor bytes, if they are stored plainly (row-major, uncompressed)."""
         info = self._storage[(key, offsets)]
-        if info.transform_descriptors:
+        if getattr(info, "transform_descriptors", None):
             return None
         view = _FileView(self._handle(info.relative_path), info.offset, info.length)
         try:
@@ -204,8 +285,7 @@ class DistCheckpointReader:
                        and "/.data/" not in i.filename]
         except Exception:  # noqa: BLE001 - anything unexpected: read it through torch.load instead
             return None
-        md = self.tensors[key]
-        if not isinstance(meta, torch.Tensor) or meta.dtype != md.properties.dtype or not meta.is_contiguous() \
+        if not isinstance(meta, torch.Tensor) or meta.dtype != self.tensors[key].dtype or not meta.is_contiguous() \
                 or meta.storage_offset() != 0 or len(records) != 1 or records[0].compress_type != zipfile.ZIP_STORED \
                 or records[0].file_size != meta.numel() * meta.element_size():
             return None
@@ -223,17 +303,15 @@ class DistCheckpointReader:
         checkpoints and of column-parallel TP splits; a row-parallel split stores half rows) and be stored
         plainly; the chunks must cover every row.
         """
-        md = self.tensors[key]
-        shape, lead = tuple(md.size), (0 if layer is None else 1)
+        info = self.tensors[key]
+        shape, lead = info.size, (0 if layer is None else 1)
         if len(shape) <= lead:
             return None
-        element = torch.empty((), dtype=md.properties.dtype).element_size()
-        row_bytes = element
+        row_bytes = torch.empty((), dtype=info.dtype).element_size()
         for size in shape[lead + 1:]:
             row_bytes *= size
         out, covered = [], 0
-        for chunk in md.chunks:
-            offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+        for offsets, sizes in info.chunks:
             if layer is not None and not offsets[0] <= layer < offsets[0] + sizes[0]:
                 continue
             if offsets[lead + 1:] != (0,) * (len(shape) - lead - 1) or sizes[lead + 1:] != shape[lead + 1:]:
@@ -245,8 +323,8 @@ class DistCheckpointReader:
                 return None
             if layer is not None:
                 start += (layer - offsets[0]) * sizes[1] * row_bytes
-            info = self._storage[(key, offsets)]
-            out.append(RowChunk(self._handle(info.relative_path).fileno(), self.dir / info.relative_path,
+            where = self._storage[(key, offsets)]
+            out.append(RowChunk(self._handle(where.relative_path).fileno(), self.dir / where.relative_path,
                                 offsets[lead], sizes[lead], start, row_bytes))
             covered += sizes[lead]
         return sorted(out, key=lambda c: c.row) if covered == shape[lead] else None

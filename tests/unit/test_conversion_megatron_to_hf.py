@@ -104,3 +104,50 @@ def test_byte_copies_and_the_tensor_path_write_identical_files(tmp_path, name):
         if fname != "conversion.json":
             assert (tmp_path / "bytes" / fname).read_bytes() == (tmp_path / "tensors" / fname).read_bytes(), fname
     assert compare_hf_dirs(tiny_checkpoint(name), tmp_path / "bytes") == []
+
+
+def test_metadata_is_read_without_torch_distributed_checkpoint_and_matches_it(converted):
+    import pickle
+    import subprocess
+    import sys
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from conversion import dcp_read
+
+    tensors, storage = dcp_read.read_dcp_metadata(converted / ".metadata")
+    reference = FileSystemReader(str(converted)).read_metadata()
+    assert set(tensors) == {k for k, v in reference.state_dict_metadata.items() if hasattr(v, "chunks")}
+    for key, info in tensors.items():
+        md = reference.state_dict_metadata[key]
+        assert (info.dtype, info.size) == (md.properties.dtype, tuple(md.size))
+        assert info.chunks == tuple((tuple(c.offsets), tuple(c.sizes)) for c in md.chunks)
+    for index, where in reference.storage_data.items():
+        mine = storage[(index.fqn, tuple(index.offset or ()))]
+        assert (mine.relative_path, mine.offset, mine.length) == (where.relative_path, where.offset, where.length)
+    code = ("import sys; from conversion.dcp_read import DistCheckpointReader; DistCheckpointReader(sys.argv[1]); "
+            "assert 'torch.distributed.checkpoint' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code, str(converted)], check=True)
+
+    class Evil:
+        def __reduce__(self):
+            return (print, ("pwned",))
+
+    bad = converted.parent / "evil"
+    shutil.copytree(converted, bad)
+    (bad / ".metadata").write_bytes(pickle.dumps(Evil()))
+    with pytest.raises(ValueError, match=r"\.metadata: cannot be read.*refusing to load builtins\.print"):
+        dcp_read.DistCheckpointReader(bad)
+
+
+def test_an_unknown_torch_class_falls_back_to_dcps_own_reader(converted, monkeypatch):
+    import pickle
+
+    from conversion import dcp_read
+
+    def unknown(self, module, name):
+        raise pickle.UnpicklingError(f"{module}.{name}: not known here")
+
+    expected = dcp_read.read_dcp_metadata(converted / ".metadata")[0]
+    monkeypatch.setattr(dcp_read._MetadataUnpickler, "find_class", unknown)
+    assert dcp_read.read_dcp_metadata(converted / ".metadata")[0] == expected
