@@ -9,19 +9,17 @@ and answers two questions:
 
 - :meth:`DistCheckpointReader.row_chunks`: where the rows of a tensor (of one layer of it) lie in the
   files, when every chunk spans whole rows and stores them plainly (each chunk is a ``torch.save`` zip
-  whose single data record is the row-major, uncompressed tensor: its offset comes from the zip's local
-  header, its dtype/shape/strides from ``torch.load(map_location="meta")``, which reads no data). The
-  converter then copies byte ranges file to file.
+  whose data record is the row-major, uncompressed tensor: its offset comes from the zip's local header,
+  its dtype/shape/strides from the chunk's ``data.pkl``). The converter then copies byte ranges file to
+  file.
 - :meth:`DistCheckpointReader.read`: any rectangular region of a tensor, by loading the chunks that
   intersect it. When one saved chunk is exactly the region, the loaded chunk is returned as is (one copy
   of the tensor in memory, read straight into its storage); otherwise the region is allocated once and
   each intersecting chunk is loaded and copied in, one chunk at a time.
 
 Compared with Megatron's ``TorchDistLoadShardedStrategy`` (what this replaced) there is no per-call
-metadata re-read, no planner and no collective, and it costs torch's import only: megatron-core takes
-several seconds to import, and even ``torch.distributed.checkpoint`` most of one (DTensor, sympy), so
-``.metadata`` is read by a restricted unpickler with stand-ins for DCP's classes
-(:class:`_MetadataUnpickler`; DCP's own reader is the fallback).
+metadata re-read, no planner and no collective. Neither Megatron nor torch is imported until a tensor
+must be built in memory: the pickles are read by :mod:`conversion.dcp_pickles`.
 """
 
 from __future__ import annotations
@@ -34,8 +32,13 @@ import struct
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+from conversion import dcp_pickles
+from conversion.hf_io import ELEMENT_SIZES, dtype_name
+
+if TYPE_CHECKING:
+    import torch
 
 MEGATRON_METADATA = "metadata.json"
 DCP_METADATA = ".metadata"
@@ -86,68 +89,15 @@ class _FileView(io.RawIOBase):
         return got
 
 
-class _Pickled:
-    """Stand-in for one of DCP's metadata dataclasses: keeps the state it was pickled with as attributes."""
-
-    def __setstate__(self, state):
-        if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):  # (dict, slots)
-            state = {**(state[0] or {}), **state[1]}
-        if not isinstance(state, dict):
-            raise pickle.UnpicklingError(f"unexpected state for {type(self).__name__}")
-        self.__dict__.update(state)
-
-
-class _TensorProperties(_Pickled):
-    def __setstate__(self, state):  # DCP pickles (dtype, layout, requires_grad, memory format code, pin_memory)
-        self.dtype = state[0]
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Reads DCP's ``.metadata`` without importing ``torch.distributed.checkpoint``.
-
-    That package pulls in DTensor, sympy and the planners: most of a second of start-up for a reader
-    that needs five fields. Only the classes a ``.metadata`` file names are allowed (anything else
-    raises, and the caller falls back to DCP's own reader); torch names resolve to torch's objects.
-    """
-
-    _DCP = {"torch.distributed.checkpoint.metadata": ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
-                                                      "ChunkStorageMetadata", "MetadataIndex", "StorageMeta"),
-            "torch.distributed.checkpoint.filesystem": ("_StorageInfo",)}
-    _DEFAULTS = {"MetadataIndex": {"offset": None}, "_StorageInfo": {"transform_descriptors": None}}
-    _classes: dict[str, type] = {}
-
-    def find_class(self, module: str, name: str):
-        if name in self._DCP.get(module, ()):
-            return self._classes.setdefault(name, type(name, (_Pickled,), dict(self._DEFAULTS.get(name, {}))))
-        if (module, name) == ("torch.distributed.checkpoint.metadata", "TensorProperties"):
-            return _TensorProperties
-        if (module, name) == ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"):
-            return int
-        if (module, name) in (("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-                              ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"), ("collections", "OrderedDict")):
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        if module == "torch" or module.startswith("torch."):
-            raise pickle.UnpicklingError(f"{module}.{name}: not known here")  # another torch version: fall back
-        raise ForeignPickleError(f"refusing to load {module}.{name}: a torch_dist .metadata file names only torch "
-                                 f"classes; this file was not written by torch.distributed.checkpoint (or was "
-                                 f"tampered with)")
-
-
-class ForeignPickleError(pickle.UnpicklingError):
-    """A ``.metadata`` pickle names a non-torch global: never fall back to an unrestricted unpickler."""
-
-
 @dataclass(frozen=True)
 class TensorInfo:
-    dtype: torch.dtype
+    dtype: str  # torch's name: "bfloat16"
     size: tuple[int, ...]
     chunks: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]  # (global offsets, sizes) of each saved chunk
 
 
 def _tensor_infos(metadata, is_tensor) -> dict[str, TensorInfo]:
-    return {key: TensorInfo(md.properties.dtype, tuple(md.size),
+    return {key: TensorInfo(dtype_name(md.properties.dtype), tuple(md.size),
                             tuple((tuple(c.offsets), tuple(c.sizes)) for c in md.chunks))
             for key, md in metadata.state_dict_metadata.items() if is_tensor(md)}
 
@@ -156,11 +106,9 @@ def read_dcp_metadata(path: Path) -> tuple[dict[str, TensorInfo], dict]:
     """``(tensors, storage)`` of a ``.metadata`` file; storage is {(key, chunk offsets): where its bytes are}."""
     try:
         with open(path, "rb") as fh:
-            metadata = _MetadataUnpickler(fh).load()
+            metadata = dcp_pickles.load_metadata(fh)
         tensors = _tensor_infos(metadata, lambda md: type(md).__name__ == "TensorStorageMetadata")
-    except ForeignPickleError:
-        raise
-    except Exception:  # noqa: BLE001 - anything unexpected (another torch's layout, damage): DCP's own reader
+    except dcp_pickles.UnknownTorchName:  # another torch version's layout: DCP's own reader
         from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -219,10 +167,12 @@ class DistCheckpointReader:
     def shape(self, key: str) -> tuple[int, ...]:
         return self.tensors[key].size
 
-    def dtype(self, key: str) -> torch.dtype:
+    def dtype(self, key: str) -> str:
         return self.tensors[key].dtype
 
     def _load_chunk(self, key: str, offsets: tuple[int, ...]) -> torch.Tensor:
+        import torch
+
         info = self._storage[(key, offsets)]
         path = self.dir / info.relative_path
         if getattr(info, "transform_descriptors", None):
@@ -238,6 +188,8 @@ class DistCheckpointReader:
 
     def read(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
         """The region ``[offsets, offsets + sizes)`` of tensor ``key`` (global coordinates)."""
+        import torch
+
         info = self.tensors[key]
         offsets, sizes = tuple(offsets), tuple(sizes)
         region_end = [o + s for o, s in zip(offsets, sizes)]
@@ -249,7 +201,7 @@ class DistCheckpointReader:
                 hits.append((chunk_offsets, lo, hi))
         if len(hits) == 1 and (offsets, sizes) in info.chunks:  # one chunk is exactly the region
             return self._load_chunk(key, offsets)
-        out = torch.empty(sizes, dtype=info.dtype)
+        out = torch.empty(sizes, dtype=getattr(torch, info.dtype))
         covered = 0
         for chunk_offsets, lo, hi in hits:
             data = self._load_chunk(key, chunk_offsets)
@@ -272,29 +224,37 @@ class DistCheckpointReader:
         return handle
 
     def _stored_bytes(self, key: str, offsets: tuple[int, ...]) -> int | None:
-        """File offset of a chunk's raw tensor bytes, if they are stored plainly (row-major, uncompressed)."""
+        """File offset of a chunk's raw tensor bytes, if they are stored plainly (row-major, uncompressed).
+
+        The chunk is a ``torch.save`` zip: ``data.pkl`` says which storage record holds the tensor and
+        how (:func:`conversion.dcp_pickles.load_chunk_recipe`), the zip's local header where that
+        record's bytes start.
+        """
         info = self._storage[(key, offsets)]
         if getattr(info, "transform_descriptors", None):
             return None
         view = _FileView(self._handle(info.relative_path), info.offset, info.length)
         try:
-            meta = torch.load(view, map_location="meta", weights_only=True)  # reads data.pkl only
-            view.seek(0)
             archive = zipfile.ZipFile(view)
-            records = [i for i in archive.infolist() if "/data/" in i.filename and not i.filename.endswith("/")
-                       and "/.data/" not in i.filename]
-        except Exception:  # noqa: BLE001 - anything unexpected: read it through torch.load instead
+            pickles = [i for i in archive.infolist() if i.filename.endswith("/data.pkl")]
+            if len(pickles) != 1:
+                return None
+            recipe = dcp_pickles.load_chunk_recipe(archive.read(pickles[0]))
+            record = archive.getinfo(pickles[0].filename[: -len("data.pkl")] + f"data/{recipe.key}")
+        except dcp_pickles.ForeignPickleError as exc:
+            raise ValueError(f"{self.dir / info.relative_path}: {key}: {exc}") from exc
+        except (zipfile.BadZipFile, KeyError, pickle.UnpicklingError, EOFError, ValueError, TypeError):
+            return None  # read it through torch.load instead, which names what is wrong
+        element = ELEMENT_SIZES.get(recipe.dtype)
+        if recipe.dtype != self.tensors[key].dtype or not recipe.is_plain or element is None \
+                or record.compress_type != zipfile.ZIP_STORED or record.file_size != recipe.storage_numel * element:
             return None
-        if not isinstance(meta, torch.Tensor) or meta.dtype != self.tensors[key].dtype or not meta.is_contiguous() \
-                or meta.storage_offset() != 0 or len(records) != 1 or records[0].compress_type != zipfile.ZIP_STORED \
-                or records[0].file_size != meta.numel() * meta.element_size():
-            return None
-        view.seek(records[0].header_offset)
+        view.seek(record.header_offset)
         header = view.read(30)
         if header[:4] != b"PK\x03\x04":
             return None
         name_len, extra_len = struct.unpack("<HH", header[26:30])
-        return info.offset + records[0].header_offset + 30 + name_len + extra_len
+        return info.offset + record.header_offset + 30 + name_len + extra_len
 
     def row_chunks(self, key: str, layer: int | None) -> list[RowChunk] | None:
         """Where the rows of ``key`` (of one layer of it) are on disk, or None if not as whole rows.
@@ -307,7 +267,7 @@ class DistCheckpointReader:
         shape, lead = info.size, (0 if layer is None else 1)
         if len(shape) <= lead:
             return None
-        row_bytes = torch.empty((), dtype=info.dtype).element_size()
+        row_bytes = ELEMENT_SIZES[info.dtype]
         for size in shape[lead + 1:]:
             row_bytes *= size
         out, covered = [], 0

@@ -26,7 +26,9 @@ The typed transforms:
   reads ``model.embed_tokens.weight`` and exports nothing (HF tied checkpoints have no lm_head).
 
 Sharding lives in :func:`shard_full` / :func:`unshard` (column dim 0, row dim 1, qkv per group = dim 0
-after interleave, fc1 gate/up per shard, vocab dim 0). Pure torch: no Megatron import here.
+after interleave, fc1 gate/up per shard, vocab dim 0). Pure torch: no Megatron import here, and torch
+itself only inside the functions that build tensors, so ``megatron-to-hf``'s byte-copy path (which needs
+the tables, not tensors) runs without importing torch.
 """
 
 from __future__ import annotations
@@ -35,11 +37,12 @@ import enum
 import re
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Callable, Iterable, Mapping, Protocol
-
-import torch
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Protocol
 
 from megatron_arpo.model_config import ModelConfig
+
+if TYPE_CHECKING:
+    import torch
 
 LAYER = "{layer}"
 
@@ -83,6 +86,8 @@ RowBlock = tuple[int, int, int]
 
 def take_rows(full: torch.Tensor, blocks: list[RowBlock]) -> torch.Tensor:
     """The HF tensor that ``blocks`` cut out of ``full`` (no copy when it is one leading block)."""
+    import torch
+
     if len(blocks) == 1 and blocks[0][2] == 0:
         start, rows, _ = blocks[0]
         return full if (start, rows) == (0, full.shape[0]) else full.narrow(0, start, rows).contiguous()
@@ -159,6 +164,8 @@ class FusedQKV:
         return (d["qkv_dim"],) if self.bias else (d["qkv_dim"], d["hidden"])
 
     def read_shard(self, read: Reader, cfg: ModelConfig, tp_rank: int, tp_size: int) -> torch.Tensor:
+        import torch
+
         groups, head_dim = cfg.num_query_groups, cfg.head_dim
         q_per_group = cfg.num_attention_heads // groups
         g0, g1 = _split_range(groups, tp_rank, tp_size, f"{self.megatron} (query groups)")
@@ -206,6 +213,8 @@ class FusedGateUp:
         return (2 * cfg.intermediate_size, cfg.hidden_size)
 
     def read_shard(self, read: Reader, cfg: ModelConfig, tp_rank: int, tp_size: int) -> torch.Tensor:
+        import torch
+
         start, stop = _split_range(cfg.intermediate_size, tp_rank, tp_size, self.megatron)
         return torch.cat([read(self.gate, 0, start, stop), read(self.up, 0, start, stop)], dim=0)
 
@@ -247,6 +256,8 @@ class VocabEmbedding:
         return (cfg.padded_vocab_size(tp_size), cfg.hidden_size)
 
     def read_shard(self, read: Reader, cfg: ModelConfig, tp_rank: int, tp_size: int) -> torch.Tensor:
+        import torch
+
         padded = cfg.padded_vocab_size(tp_size)
         start, stop = _split_range(padded, tp_rank, tp_size, self.megatron)
         real_stop = min(stop, cfg.vocab_size)
@@ -492,6 +503,8 @@ def check_megatron_coverage(rules: list[BoundRule], param_names: Iterable[str], 
 
 def shard_full(kind: Shard, full: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
     """The ``tp_rank`` shard of a full (TP-unsharded, canonical) Megatron tensor."""
+    import torch
+
     if kind is Shard.REPLICATED or tp_size == 1:
         return full
     if kind in (Shard.COLUMN, Shard.VOCAB):
@@ -504,6 +517,8 @@ def shard_full(kind: Shard, full: torch.Tensor, tp_rank: int, tp_size: int) -> t
 
 def unshard(kind: Shard, shards: list[torch.Tensor]) -> torch.Tensor:
     """Inverse of :func:`shard_full` given all TP shards in rank order."""
+    import torch
+
     if kind is Shard.REPLICATED or len(shards) == 1:
         return shards[0]
     if kind in (Shard.COLUMN, Shard.VOCAB):

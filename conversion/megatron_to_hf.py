@@ -1,7 +1,8 @@
 """``megatron-to-hf``: a Megatron ``torch_dist`` checkpoint -> HF safetensors, streaming, without Megatron.
 
 The reader is :class:`conversion.dcp_read.DistCheckpointReader` (torch.distributed.checkpoint files and
-our tables only: no process group, no megatron-core import, which alone costs several seconds per call).
+our tables only: no process group, no megatron-core import, which alone costs several seconds per call,
+and no torch import either unless some tensor has to go through memory).
 Safetensors shards are planned up front (:class:`conversion.hf_io.SafetensorsShardWriter`), then every
 rule of the table, in Megatron order, is written one of two ways:
 
@@ -33,14 +34,17 @@ import math
 import os
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 import yaml
 
 from conversion import mapping
 from conversion.dcp_read import MEGATRON_METADATA, DistCheckpointReader, check_megatron_metadata
-from conversion.hf_io import TensorSpec, copy_tokenizer_files, dtype_name, write_json
+from conversion.hf_io import ELEMENT_SIZES, TensorSpec, copy_tokenizer_files, dtype_name, write_json
 from megatron_arpo.model_config import ModelConfig, model_config_from_dict
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -146,7 +150,7 @@ def copy_rule_bytes(reader: DistCheckpointReader, writer, cfg: ModelConfig, rule
     chunks = reader.row_chunks(dist_key(rule), rule.layer)
     if chunks is None:
         return False
-    element = torch.empty((), dtype=reader.dtype(dist_key(rule))).element_size()
+    element = ELEMENT_SIZES[reader.dtype(dist_key(rule))]
     blocks = rule.hf_row_blocks(cfg)
     for name, shape in rule.hf_shapes(cfg).items():
         if name in blocks and math.prod(shape[1:]) * element != chunks[0].row_bytes:

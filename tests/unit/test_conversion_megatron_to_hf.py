@@ -106,28 +106,45 @@ def test_byte_copies_and_the_tensor_path_write_identical_files(tmp_path, name):
     assert compare_hf_dirs(tiny_checkpoint(name), tmp_path / "bytes") == []
 
 
-def test_metadata_is_read_without_torch_distributed_checkpoint_and_matches_it(converted):
+def test_pickles_are_read_without_torch_and_match_torchs_reading(converted):
     import pickle
     import subprocess
     import sys
+    import zipfile
 
+    import torch
     from torch.distributed.checkpoint import FileSystemReader
 
-    from conversion import dcp_read
+    from conversion import dcp_pickles, dcp_read
 
     tensors, storage = dcp_read.read_dcp_metadata(converted / ".metadata")
     reference = FileSystemReader(str(converted)).read_metadata()
     assert set(tensors) == {k for k, v in reference.state_dict_metadata.items() if hasattr(v, "chunks")}
     for key, info in tensors.items():
         md = reference.state_dict_metadata[key]
-        assert (info.dtype, info.size) == (md.properties.dtype, tuple(md.size))
+        assert (info.dtype, info.size) == (str(md.properties.dtype).removeprefix("torch."), tuple(md.size))
         assert info.chunks == tuple((tuple(c.offsets), tuple(c.sizes)) for c in md.chunks)
     for index, where in reference.storage_data.items():
         mine = storage[(index.fqn, tuple(index.offset or ()))]
         assert (mine.relative_path, mine.offset, mine.length) == (where.relative_path, where.offset, where.length)
-    code = ("import sys; from conversion.dcp_read import DistCheckpointReader; DistCheckpointReader(sys.argv[1]); "
-            "assert 'torch.distributed.checkpoint' not in sys.modules")
-    subprocess.run([sys.executable, "-c", code, str(converted)], check=True)
+        if index.fqn in tensors:  # a chunk's data.pkl, read by hand, against torch.load
+            with open(converted / where.relative_path, "rb") as fh:
+                view = dcp_read._FileView(fh, where.offset, where.length)
+                archive = zipfile.ZipFile(view)
+                recipe = dcp_pickles.load_chunk_recipe(archive.read(next(n for n in archive.namelist()
+                                                                         if n.endswith("/data.pkl"))))
+                view.seek(0)
+                tensor = torch.load(view, weights_only=True)
+            assert (recipe.dtype, recipe.size, recipe.stride, recipe.storage_offset) == (
+                str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), tensor.stride(),
+                tensor.storage_offset())
+            assert recipe.is_plain
+    # megatron-to-hf on a converted checkpoint imports neither torch nor Megatron
+    code = ("import sys; from conversion.__main__ import main; rc = main(['megatron-to-hf', '--megatron', "
+            "sys.argv[1], '--out', sys.argv[2]]); heavy = [m for m in ('torch', 'megatron.core', 'safetensors') "
+            "if m in sys.modules]; assert rc == 0 and not heavy, (rc, heavy)")
+    subprocess.run([sys.executable, "-c", code, str(converted), str(converted.parent / "light")], check=True)
+    assert compare_hf_dirs(tiny_checkpoint("tiny-qwq"), converted.parent / "light") == []
 
     class Evil:
         def __reduce__(self):
@@ -141,13 +158,20 @@ def test_metadata_is_read_without_torch_distributed_checkpoint_and_matches_it(co
 
 
 def test_an_unknown_torch_class_falls_back_to_dcps_own_reader(converted, monkeypatch):
-    import pickle
-
-    from conversion import dcp_read
+    from conversion import dcp_pickles, dcp_read
 
     def unknown(self, module, name):
-        raise pickle.UnpicklingError(f"{module}.{name}: not known here")
+        raise dcp_pickles.UnknownTorchName(f"{module}.{name}: not known here")
 
     expected = dcp_read.read_dcp_metadata(converted / ".metadata")[0]
-    monkeypatch.setattr(dcp_read._MetadataUnpickler, "find_class", unknown)
+    monkeypatch.setattr(dcp_pickles.MetadataUnpickler, "find_class", unknown)
     assert dcp_read.read_dcp_metadata(converted / ".metadata")[0] == expected
+
+
+def test_stored_tensor_plainness():
+    from conversion.dcp_pickles import StoredTensor
+
+    assert StoredTensor("bfloat16", "0", 12, 0, (3, 4), (4, 1)).is_plain
+    assert not StoredTensor("bfloat16", "0", 12, 0, (4, 3), (1, 4)).is_plain  # transposed
+    assert not StoredTensor("bfloat16", "0", 24, 0, (3, 4), (4, 1)).is_plain  # a view of a larger storage
+    assert not StoredTensor("bfloat16", "0", 12, 2, (2, 4), (4, 1)).is_plain
