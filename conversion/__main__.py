@@ -2,7 +2,9 @@
 
 Errors a user can fix (bad paths, configs, checkpoints) print one ``error:`` line and exit 2; a failed
 verify or plan check exits 1; SIGTERM or Ctrl-C removes the unfinished output (exit 143 / 130).
-``megatron-to-hf`` never imports megatron-core (see :mod:`conversion.megatron_to_hf`).
+``megatron-to-hf`` never imports megatron-core, nor torch unless a tensor must go through memory (see
+:mod:`conversion.megatron_to_hf`); it prints the conversion report (``conversion.json``), every
+``config.json`` field it changed included.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ def cmd_megatron_to_hf(args) -> int:
     report = json.loads((out / MARKER).read_text())
     print(f"wrote HF checkpoint {out} ({report['num_tensors']} tensors, {report['dtype']}; report: {out / MARKER})")
     config = report["config_json"]
-    changed = [FieldChange(c["field"], c["old"], c["new"], c["reason"], c["old_present"]) for c in config["changed"]]
+    changed = [FieldChange.from_dict(c) for c in config["changed"]]
     origin = config["origin"]
     if not origin.startswith("generated"):
         origin = f"carried over from {origin}"

@@ -47,6 +47,10 @@ class FieldChange:
         return {"field": self.field, "old": self.old if self.present else None, "old_present": self.present,
                 "new": self.new, "reason": self.reason}
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> FieldChange:
+        return cls(data["field"], data["old"], data["new"], data["reason"], data["old_present"])
+
 
 def store_original_config(hf_dir: str | os.PathLike, megatron_dir: Path) -> None:
     """Keep the source ``config.json`` (bytes unchanged) with the Megatron checkpoint."""
