@@ -1,6 +1,6 @@
 """bf16 checkpoints with the published ``config.json`` field sets of real models, fewer layers, for tests.
 
-The tiny checkpoints (:mod:`megatron_arpo.testing.tiny`) are fp32, one file, with configs we generate.
+The tiny checkpoints (:mod:`megatron_arpo.tiny.checkpoint`) are fp32, one file, with configs we generate.
 Real checkpoints differ in what breaks conversions: they are bf16, sharded with a
 ``model.safetensors.index.json``, and their ``config.json`` carries fields our model config does not model
 (QwQ-32B's ``sliding_window`` 32768 and ``max_window_layers`` 64, ``transformers_version``, ...), which a
@@ -10,7 +10,7 @@ conversion must bring back unchanged. :func:`build_real_shaped_checkpoint` write
   ``num_hidden_layers`` reduced and, when ``width_divisor > 1``, ``hidden_size`` and ``intermediate_size``
   divided (Qwen3 keeps its explicit ``head_dim``; Qwen2 divides the head size, which it derives from
   ``hidden_size / num_attention_heads``). Head counts, GQA groups and the vocabulary stay real;
-- weights from :func:`megatron_arpo.testing.tiny.build_weights` (random norms and biases) in bf16, written
+- weights from :func:`megatron_arpo.tiny.checkpoint.build_weights` (random norms and biases) in bf16, written
   in several shards with an index like a hub download.
 
 No tokenizer is written: conversions copy tokenizer files only when present.
@@ -79,7 +79,7 @@ def build_real_shaped_checkpoint(name: str, out_dir: str | os.PathLike, num_laye
 
     from conversion.hf_io import SafetensorsShardWriter, TensorSpec
     from megatron_arpo.model_config import model_config_from_hf
-    from megatron_arpo.testing.tiny import build_weights
+    from megatron_arpo.tiny.checkpoint import build_weights
 
     config = real_shaped_config(name, num_layers, width_divisor)
     cfg = dataclasses.replace(model_config_from_hf(config, name=f"{name}-{num_layers}l"), torch_dtype="bfloat16")

@@ -7,7 +7,7 @@ originals. Each mutation below replaces one rule of the table inside the worker 
 :func:`conversion.parity.parity_worker` at TP=2 (so sharding faults show too) and records whether the
 fault was caught (a validation error, logits off by >= 1e-4, or a mismatching export). The unmutated
 table runs first, as the control that must pass. The tiny checkpoints have random norm weights and
-biases (:mod:`megatron_arpo.testing.tiny`); with unit norms the two norm swaps below went unnoticed.
+biases (:mod:`megatron_arpo.tiny.checkpoint`); with unit norms the two norm swaps below went unnoticed.
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def _caught(per_rank: list[dict]) -> bool:
 @pytest.mark.parametrize("name,model_type", [("tiny-qwen3", "qwen3"), ("tiny-qwq", "qwen2")])
 def test_every_mapping_fault_fails_parity(name, model_type):
     from megatron_arpo.testing.dist import run_distributed
-    from megatron_arpo.testing.tiny import tiny_checkpoint
+    from megatron_arpo.tiny.checkpoint import tiny_checkpoint
 
     mutations = [label for label, (wanted, _) in MUTATIONS.items() if wanted in (None, model_type)]
     results = run_distributed(mutation_worker, 2, str(tiny_checkpoint(name)), name, 2, mutations, timeout=600)
