@@ -5,7 +5,8 @@ vocab 152064, bf16) and 2, 4 and 8 layers, converts each to Megatron (``--tp 2 -
 the real CLI in child processes (start-up and imports included), and prints one table. Every size is
 run ``--repeats`` times (default 2), each run with its own ``cp`` next to it. Per run it reports
 
-- MB/s of each direction and of ``cp`` of the same safetensors files in the same run (both fsync'd),
+- MB/s of each direction and of ``cp`` of the same safetensors files in the same run (both fsync'd), and
+  ``cp`` of the Megatron files timed right after ``megatron-to-hf`` (that direction's own input),
 - the child's peak RSS (``VmHWM``) and peak anonymous RSS (sampled ``RssAnon``: file-backed pages of
   memory-mapped inputs are page cache the kernel can drop) against the largest single tensor,
 - that the round trip is bit-exact (every tensor compared).
@@ -118,13 +119,21 @@ def run_once(layers: int, width: dict, work: Path, tp: int, pp: int) -> dict:
         to_mg = _peak_child(py + ["hf-to-megatron", "--hf", str(work / "hf"), "--out", str(work / "mg"),
                                   "--tp", str(tp), "--pp", str(pp), "--model-config", str(work / "hf.yaml")])
         to_hf = _peak_child(py + ["megatron-to-hf", "--megatron", str(work / "mg"), "--out", str(work / "back")])
+        # cp of this direction's own input, right after it (so cp, not the conversion, gets whatever of the
+        # Megatron files the conversion brought back into the page cache): the first cp's source was just
+        # written, but the Megatron files may have left the cache while hf-to-megatron ran (source and
+        # Megatron checkpoint together exceed the memory free here from 4 layers on).
+        mg_bytes = sum(p.stat().st_size for p in (work / "mg").rglob("*") if p.is_file())
+        cp_mg_s = timed_cp(work / "mg", work / "cp_mg")
+        shutil.rmtree(work / "cp_mg")
         exact = not compare_hf_dirs(work / "hf", work / "back")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return dict(layers=layers, gb=total / 1e9, largest_gb=largest / 1e9, cp_mbs=total / 1e6 / cp_s,
                 to_mg_mbs=total / 1e6 / to_mg[0], to_mg_hwm=to_mg[1] / 1e9, to_mg_anon=to_mg[2] / 1e9,
                 to_hf_mbs=total / 1e6 / to_hf[0], to_hf_hwm=to_hf[1] / 1e9, to_hf_anon=to_hf[2] / 1e9,
-                to_mg_s=to_mg[0], to_hf_s=to_hf[0], cp_s=cp_s, exact=exact)
+                to_mg_s=to_mg[0], to_hf_s=to_hf[0], cp_s=cp_s, cp_mg_mbs=mg_bytes / 1e6 / cp_mg_s, cp_mg_s=cp_mg_s,
+                exact=exact)
 
 
 def main() -> None:
@@ -150,13 +159,14 @@ def main() -> None:
         shutil.rmtree(base, ignore_errors=True)
     print(f"\n{args.width} width, bf16, TP={args.tp} PP={args.pp}; RSS = peak VmHWM / peak RssAnon (GB)")
     print("| layers | run | ckpt GB | largest tensor GB | cp MB/s | HF->Megatron MB/s (x cp) | RSS | "
-          "Megatron->HF MB/s (x cp) | RSS | bit-exact |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "Megatron->HF MB/s (x cp) | cp of the Megatron files MB/s (Megatron->HF x it) | RSS | bit-exact |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['layers']} | {r['run']} | {r['gb']:.2f} | {r['largest_gb']:.2f} | {r['cp_mbs']:.0f} | "
               f"{r['to_mg_mbs']:.0f} ({r['to_mg_mbs'] / r['cp_mbs']:.2f}) | {r['to_mg_hwm']:.2f} / {r['to_mg_anon']:.2f} | "
-              f"{r['to_hf_mbs']:.0f} ({r['to_hf_mbs'] / r['cp_mbs']:.2f}) | {r['to_hf_hwm']:.2f} / {r['to_hf_anon']:.2f} | "
-              f"{'yes' if r['exact'] else 'NO'} |")
+              f"{r['to_hf_mbs']:.0f} ({r['to_hf_mbs'] / r['cp_mbs']:.2f}) | "
+              f"{r['cp_mg_mbs']:.0f} ({r['to_hf_mbs'] / r['cp_mg_mbs']:.2f}) | "
+              f"{r['to_hf_hwm']:.2f} / {r['to_hf_anon']:.2f} | {'yes' if r['exact'] else 'NO'} |")
     worst = min(min(r['to_mg_mbs'], r['to_hf_mbs']) / r['cp_mbs'] for r in rows)
     print(f"lowest ratio to cp over all rows and both directions: {worst:.2f}")
 
