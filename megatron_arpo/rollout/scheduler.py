@@ -10,7 +10,7 @@ Rules, and where they differ from the reference (ARPO_REFERENCE.md §2, §4, §1
   runs its tool call, splices the result and continues as soon as its own result is back; the engine
   batches whatever requests are in flight. ``scheduler="barrier"`` adds the reference's per-round
   barrier (every active trajectory finishes its segment and tool call before any starts the next one);
-  it exists to measure the difference (benchmarks/rollout.py).
+  it exists to measure the difference (benchmarks/rollout.py) and builds the same trees.
 - **Entropy.** `segment_entropy` over the first ``entropy_window`` generated tokens of a segment, from the
   engine's top-k log-probs; estimator ``reference`` (the reference's value) or ``mean``. Only those
   positions carry top-k (``SegmentRequest.top_logprobs_positions``): every other generated token comes
@@ -22,17 +22,28 @@ Rules, and where they differ from the reference (ARPO_REFERENCE.md §2, §4, §1
   entropy of its own first segment, so its first decision always has ΔH = 0); fresh fills measure their own.
 - **Branching** after a tool result, up to ``beam_size - 1`` draws, each creating one copy if the rule of
   `megatron_arpo.algo.branching.should_branch` holds (ARPO, or AEPO with ``variant="aepo"``) and budget is
-  left. U comes from a `BranchRng` stream per trajectory (spawned from the prompt's stream by trajectory
-  id), so the draws a trajectory sees do not depend on the order in which other trajectories' tool
-  results arrive; every draw, score and entropy is recorded on the trajectory.
+  left. Whether a prompt branches at all is decided on its computed initial count (`RolloutOptions.branches`:
+  ``beam_size > 1`` and fewer initial trajectories than ``n``), so AEPO's dynamic count branches even when
+  ``rollout.initial_rollouts == n``. U comes from a `BranchRng` stream per trajectory (spawned from the
+  prompt's stream by trajectory id); every draw, score and entropy is recorded on the trajectory.
   ``branch_timing="after_result"`` (default, the paper's): after the result the trajectory generates its
   first ``entropy_window`` tokens as a probe, the decision uses their entropy, copies fork at the result
   boundary and re-sample from there, and the trajectory continues its own segment (one more request,
-  prefix-cached). ``branch_timing="reference"``: the decision uses the segment that ended with the tool
+  prefix-cached). Every after-result decision is probed, also one that will find no slot: whether a
+  segment is split changes its requests' seeds, so it must not depend on how many slots happen to be left
+  at that moment. ``branch_timing="reference"``: the decision uses the segment that ended with the tool
   call and forks right after the result, like the reference (Q4).
+- **Deterministic allocation** (`megatron_arpo.rollout.ledger`): the same seed, prompts and policy give the
+  same tree whatever the tool and engine latencies, in both schedulers (async and barrier build identical
+  trees). Decisions take budget slots in the canonical order (k, i), k = tool results on the path, i = the
+  trajectory's creation index in its prompt (the reference's round-then-index order); a decision resolves
+  once no live trajectory can still produce an earlier-ranked one. Only the spawning of copies waits for
+  that; every trajectory, the deciding parent included, runs on. Everything a trajectory's tokens depend
+  on is a function of the tree: its id (and so its request seeds and U stream) comes from its lineage, its
+  index from the canonical order, a fill's from the fill count, the AEPO counter from its path.
 - **Budget**: never more than ``n`` per prompt; a decision with no slot left draws nothing (as the
   reference). When all trajectories of a prompt have ended, all missing ones start at once (fixes Q8).
-  ``initial_rollouts == n`` is plain GRPO sampling.
+  A prompt starting ``n`` trajectories is plain GRPO sampling.
 - **AEPO**: ``dynamic_initial_rollouts`` runs the §4.1 pre-monitoring per prompt (one sample of
   ``initial_entropy_tokens`` tokens for H_root, one complete unbranched tool trajectory for H̄_tool; both
   discarded) and starts ``aepo_initial_rollouts(n, H_root - H̄_tool)`` trajectories. The consecutive-branch
@@ -67,6 +78,7 @@ from megatron_arpo.algo.branching import BranchRng, aepo_initial_rollouts, branc
 from megatron_arpo.algo.entropy import segment_entropy
 from megatron_arpo.rollout.engine import SegmentOutput, SegmentRequest
 from megatron_arpo.rollout.group import EngineHandle, RolloutGroup
+from megatron_arpo.rollout.ledger import DecisionLedger, PendingDecision
 from megatron_arpo.rollout.protocol import TagProtocol
 from megatron_arpo.rollout.trajectory import BranchDecision, Segment, ToolCall, Trajectory, shared_prefix_tokens
 
@@ -132,9 +144,10 @@ class RolloutOptions:
         return dataclasses.replace(self, n=1, initial_rollouts=1, beam_size=1, greedy=True,
                                    dynamic_initial_rollouts=False)
 
-    @property
-    def branching(self) -> bool:
-        return self.beam_size > 1 and self.initial_rollouts < self.n and not self.greedy
+    def branches(self, initial_rollouts: int) -> bool:
+        """Whether a prompt that starts ``initial_rollouts`` trajectories branches: decided per prompt on the
+        computed count (AEPO's dynamic count may be below ``n`` even when ``rollout.initial_rollouts == n``)."""
+        return self.beam_size > 1 and initial_rollouts < self.n and not self.greedy
 
 
 @dataclass
@@ -160,9 +173,8 @@ class _Live:
         self.traj = traj
         self.rng = rng
         self.counted = counted          # False for AEPO pre-monitoring (not part of the group)
-        self.pending_decision = False   # after_result: the next segment's probe decides
+        self.probe_for: Optional[PendingDecision] = None   # after_result: the next segment's probe measures it
         self.call: Any = None           # the StopMatch the last segment ended with (None: EOS or length)
-        self.result_boundary = 0
         self.num_own_segments = 0
 
 
@@ -177,6 +189,8 @@ class _PromptRun:
         self.active = 0
         self.trajs: list[Trajectory] = []
         self.num_fills = 0
+        self.branching = False          # set once the initial count is known (`RolloutOptions.branches`)
+        self.ledger = DecisionLedger()
         self.info: dict[str, Any] = {"prompt_id": spec.prompt_id, "engine_index": engine.index}
         self.done: asyncio.Future = asyncio.get_running_loop().create_future()
 
@@ -324,6 +338,7 @@ class _Run:
             if self.o.dynamic_initial_rollouts and not self.o.greedy:
                 initial = await self._premonitor(pr)
             pr.info["initial_rollouts"] = initial
+            pr.branching = self.o.branches(initial)
             for k in range(initial):
                 self._spawn(pr, self._new_root(pr, k, "initial"))
         finally:
@@ -339,9 +354,11 @@ class _Run:
         return _Live(traj, pr.rng.spawn(traj_id))
 
     def _spawn(self, pr: _PromptRun, live: _Live) -> None:
+        """Start a counted trajectory; its first decision can come after its next tool result."""
         pr.count += 1
         pr.active += 1
         pr.trajs.append(live.traj)
+        pr.ledger.open(live.traj.index, len(live.traj.tool_calls) + 1)
         if self.phaser is not None:
             self.phaser.register()
         task = asyncio.get_running_loop().create_task(self._run_trajectory(pr, live), name=live.traj.traj_id)
@@ -359,18 +376,25 @@ class _Run:
             return
         finally:
             pr.active -= 1
+            pr.ledger.close(live.traj.index)
             if self.phaser is not None:
                 self.phaser.deregister()
-        if pr.active == 0 and not pr.done.done():
-            missing = pr.n - pr.count
-            if missing > 0:
-                # Q8: every missing trajectory starts now, not one per round.
-                for _ in range(missing):
-                    self._spawn(pr, self._new_root(pr, pr.num_fills, "fill"))
-                    pr.num_fills += 1
-                    self.stats["fills"] += 1
-            else:
-                pr.done.set_result(None)
+        try:
+            self._resolve(pr)  # this trajectory's end may let earlier-ranked decisions of others resolve
+            if pr.active == 0 and not pr.done.done():
+                assert pr.ledger.num_pending == 0, "decisions left unresolved with no trajectory running"
+                missing = pr.n - pr.count
+                if missing > 0:
+                    # Q8: every missing trajectory starts now, not one per round.
+                    for _ in range(missing):
+                        self._spawn(pr, self._new_root(pr, pr.num_fills, "fill"))
+                        pr.num_fills += 1
+                        self.stats["fills"] += 1
+                else:
+                    pr.done.set_result(None)
+        except Exception as exc:
+            if not pr.done.done():
+                pr.done.set_exception(exc)
 
     # ------------------------------------------------------------------ one trajectory
     def _budget(self, traj: Trajectory) -> tuple[int, str]:
@@ -442,13 +466,17 @@ class _Run:
             t.finish_reason = bound
             return None
         start = len(t.response_ids)
-        probe = live.pending_decision and self._slots(pr) > 0
-        live.pending_decision = False
+        # Every registered after-result decision is probed, whether or not a slot will be left for it: the
+        # split changes the requests' seeds and so the tokens, and the slots left at this moment depend on
+        # latencies. (A decision that finds no slot costs one extra, prefix-cached request.)
+        pending, live.probe_for = live.probe_for, None
+        probe = pending is not None
         if probe:
             window = self.o.entropy_window
             out = await self._request(pr, live, 0, min(window, budget), window)
             parts = [out]
-            self._decide(pr, live, self._entropy(out.top_logprobs), "after_result")
+            pending.h_now = self._entropy(out.top_logprobs)
+            self._resolve(pr)
         else:
             parts = [await self._request(pr, live, 0, budget, self.o.entropy_window)]
         # Tool calls are found on the segment's text; the engine's stop reason is not trusted for them. A
@@ -526,40 +554,46 @@ class _Run:
         if len(kept) < len(result_ids) or self._budget(t)[0] <= 0:
             t.finish_reason = self._budget(t)[1]
             return
-        live.result_boundary = len(t.response_ids)
-        if live.counted and self.o.branching:
+        if live.counted and pr.branching:
+            decision = PendingDecision(k=len(t.tool_calls), index=t.index, at_offset=len(t.response_ids),
+                                       timing=self.o.branch_timing, owner=live)
+            pr.ledger.register(decision)
             if self.o.branch_timing == "reference":
-                self._decide(pr, live, seg.entropy, "reference")
+                decision.h_now = seg.entropy
+                self._resolve(pr)
             else:
-                live.pending_decision = True
+                live.probe_for = decision
 
     # ------------------------------------------------------------------ branching
-    def _slots(self, pr: _PromptRun) -> int:
-        return pr.n - pr.count
+    def _resolve(self, pr: _PromptRun) -> None:
+        """Resolve the prompt's decisions whose turn has come, in canonical order (`rollout.ledger`)."""
+        while (decision := pr.ledger.pop_resolvable(budget_left=pr.count < pr.n)) is not None:
+            self._decide(pr, decision)
 
-    def _decide(self, pr: _PromptRun, live: _Live, h_now: float, timing: str) -> None:
+    def _decide(self, pr: _PromptRun, pending: PendingDecision) -> None:
+        live = pending.owner
         t = live.traj
-        slots = self._slots(pr)
+        slots = pr.n - pr.count
         if slots <= 0:
-            return
+            return  # no draw, as the reference
+        h_now = pending.h_now
         h0 = t.baseline_entropy if t.baseline_entropy is not None else h_now
         consecutive = t.consecutive_branches if self.o.variant == "aepo" else 0
+        kwargs = dict(entropy_weight=self.o.entropy_weight, variant=self.o.variant,
+                      consecutive_branches=consecutive, penalty=self.o.consecutive_branch_penalty)
         children = []
         for j in range(min(self.o.beam_size - 1, slots)):
             u = live.rng.draw()
             self.stats["draws"] += 1
-            kwargs = dict(entropy_weight=self.o.entropy_weight, variant=self.o.variant,
-                          consecutive_branches=consecutive, penalty=self.o.consecutive_branch_penalty)
             decision = BranchDecision(
-                at_offset=live.result_boundary, tool_call_index=len(t.tool_calls) - 1, timing=timing,
+                at_offset=pending.at_offset, tool_call_index=pending.k - 1, timing=pending.timing,
                 h_now=h_now, h0=h0, u=u, score=branch_score(u, h_now, h0, **kwargs), consecutive=consecutive,
                 branched=should_branch(u, h_now, h0, threshold=self.o.branch_threshold, **kwargs))
             if decision.branched:
-                child_id = f"{t.traj_id}/b{len(t.tool_calls)}.{j}"
-                child = t.fork(child_id, pr.count, live.result_boundary)
+                child_id = f"{t.traj_id}/b{pending.k}.{j}"
+                child = t.fork(child_id, pr.count, pending.at_offset)
                 decision.child_id = child_id
                 children.append(child)
-                # Counted now (the budget must not be over-committed while the child task starts).
                 self._spawn(pr, _Live(child, pr.rng.spawn(child_id)))
                 self.stats["branches"] += 1
             t.decisions.append(decision)

@@ -33,8 +33,8 @@ from megatron_arpo.fsutil import atomic_write
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "BranchDecision", "Segment", "ToolCall", "Trajectory", "load_records", "records_to_batch",
-    "save_records", "score_trajectories", "shared_prefix_tokens",
+    "BranchDecision", "Segment", "ToolCall", "Trajectory", "TIMING_FIELDS", "load_records", "records_to_batch",
+    "save_records", "score_trajectories", "shared_prefix_tokens", "tree_digest",
 ]
 
 # Why a trajectory ended.
@@ -189,6 +189,36 @@ class Trajectory:
         for s in self.segments:
             if s.start + s.num_tokens > n or not all(self.loss_mask[s.start:s.start + s.num_tokens]):
                 raise ValueError(f"{self.traj_id}: segment {s.owner}#{s.index} is not all mask-1 tokens in range")
+
+
+# Record fields that depend on timing rather than on the seed, the prompts and the policy: tool latency, tool
+# cache hits (a concurrent duplicate query may miss) and engine prefix-cache hits.
+TIMING_FIELDS = frozenset({"latency_s", "cached", "num_cached_tokens"})
+
+
+def _without_timing(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _without_timing(v) for k, v in value.items() if k not in TIMING_FIELDS}
+    if isinstance(value, list):
+        return [_without_timing(v) for v in value]
+    return value
+
+
+def tree_digest(trajectories: Iterable[Trajectory]) -> str:
+    """SHA-256 of a rollout's records without `TIMING_FIELDS`, trajectories in (prompt, creation) order.
+
+    Two rollouts with the same seed, prompts and policy have the same digest whatever the tool and engine
+    latencies were (the scheduler's deterministic branch allocation); tokens, log-probs, entropies, draws,
+    lineage and rewards all enter it.
+    """
+    import hashlib
+
+    digest = hashlib.sha256()
+    for traj in sorted(trajectories, key=lambda t: (t.prompt_index, t.index)):
+        digest.update(json.dumps(_without_timing(traj.to_dict()), default=_json_default, sort_keys=True,
+                                 separators=(",", ":")).encode())
+        digest.update(b"\n")
+    return digest.hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------- JSONL
