@@ -63,7 +63,8 @@ def test_L1_positive_advantage_aepo_keeps_clipped_gradient():
     aepo_clip = -1.2 / 7
     expected = [-0.5 / 7, -0.9 / 7, -1.0 / 7, -1.1 / 7] + [aepo_clip] * 3
     assert grads == pytest.approx(expected, abs=1e-8)  # 1e-8: the token-mean denominator's epsilon
-    assert aepo_clip == pytest.approx(-0.1714, abs=1e-4)
+    # §4.3's table: -A*(1+eps_high) per token, token-mean over 7 -> -0.1714 where PPO's (§11.6 L1) is 0.
+    assert grads[4:] == pytest.approx([-0.1714] * 3, abs=1e-4)
     assert m["clip_frac"] == pytest.approx(3 / 7)
 
 
