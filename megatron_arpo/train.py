@@ -5,7 +5,9 @@ reference) log-probs -> PPO update -> weight sync (with colocated sleep/offload,
 ``megatron_arpo.trainer.phases`` around the log-probs, update and sync) -> validation (every ``trainer.val_every``) ->
 checkpoint (every ``trainer.save_every``, and at the end) -> log. The components and the phase functions
 live in ``megatron_arpo.trainer``; this file is the loop. A stop request (preemption) is served at the
-next safe point inside the step (``megatron_arpo.trainer.signals``).
+next safe point inside the step (``megatron_arpo.trainer.signals``). ``--replay-rollouts DIR`` trains on the
+rollout records a run saved (``logging.save_rollout_records``) instead, without engines or tools
+(``megatron_arpo.trainer.replay``).
 
 Exit codes: 0 done (final policy in ``<run_dir>/hf``); ``launcher.preempt_exit_code`` (42) after SIGUSR1
 and a checkpoint (the Slurm script requeues); 143 after SIGTERM and a checkpoint; 1 when a component
@@ -28,12 +30,12 @@ from megatron_arpo.trainer.signals import LeadTimeAdvisor, StepAborted, StopRequ
 logger = logging.getLogger(__name__)
 
 
-def train(cfg, resume: str = "auto") -> int:
+def train(cfg, resume: str = "auto", replay_dir: str | None = None) -> int:
     """Run (or continue) the training of ``cfg``; returns the process exit code."""
     from megatron_arpo.tracking import format_step_summary, progress
     from megatron_arpo.trainer.runtime import start_runtime
 
-    with StopRequest.install() as stop, start_runtime(cfg, resume) as rt:
+    with StopRequest.install() as stop, start_runtime(cfg, resume, replay_dir) as rt:
         stop.reinstall()  # Ray and vLLM start-up may have replaced our handlers
         cfg, t = rt.cfg, rt.cfg.trainer
         lead = LeadTimeAdvisor(cfg.launcher.signal_lead_seconds)
@@ -45,11 +47,11 @@ def train(cfg, resume: str = "auto") -> int:
                 timer = metrics.PhaseTimer(bar)
                 sampler_before = rt.sampler.state_dict()
                 prompts, indices = steps.next_prompts(rt)
-                tools_before = rt.tools.stats()
+                tools_before = steps.tool_stats(rt)
                 try:  # until the update starts a stop abandons the step (signals.py: safe points)
                     with timer("rollout"):
-                        result = steps.rollout(rt, prompts, step, cancel_when=lambda: stop.requested)
-                    tools_after = rt.tools.stats()
+                        prompts, result = steps.rollout(rt, prompts, step, cancel_when=lambda: stop.requested)
+                    tools_after = steps.tool_stats(rt)
                     with timer("reward"):
                         sources = steps.score(rt, result, prompts, rt.train, indices)
                     with timer("advantage"):
@@ -79,7 +81,7 @@ def train(cfg, resume: str = "auto") -> int:
             trajs = result.trajectories()
             row = {**metrics.reward_metrics(trajs, sources),
                    **metrics.rollout_metrics(result, timer.seconds["rollout"]),
-                   **metrics.tool_metrics(trajs, result.stats, tools_before, tools_after, rt.tools.tags),
+                   **metrics.tool_metrics(trajs, result.stats, tools_before, tools_after, steps.tool_tags(rt, trajs)),
                    **metrics.token_statistics(batch, trajs, cfg.rollout.entropy_window),
                    **metrics.actor_metrics(update, logprob_info["padding_fraction"]),
                    **phase, **sync, **val, **timer.metrics(), **lead.observe(timer.seconds),
@@ -87,9 +89,9 @@ def train(cfg, resume: str = "auto") -> int:
             rt.metrics_logger.log(step, row)
             logger.info(format_step_summary(step, row, rt.total_steps))
             if cfg.logging.save_rollout_records:
-                from megatron_arpo.rollout.trajectory import save_records
+                from megatron_arpo.trainer.replay import save_step_records
 
-                save_records(rt.run_dir / "rollouts" / f"step-{step}.jsonl", trajs)
+                save_step_records(rt.run_dir / "rollouts", step, result)
 
         if stop.requested:
             if rt.step != rt.last_saved_step and rt.step > 0:
@@ -115,13 +117,21 @@ def train_main(argv: Sequence[str]) -> int:
     parser.add_argument("--resume", default=None, metavar="auto|none|PATH",
                         help="continue from the newest checkpoint (auto), start fresh (none), or a checkpoint "
                              "directory; default: trainer.resume")
+    parser.add_argument("--replay-rollouts", default=None, metavar="DIR",
+                        help="train on the rollout records a run saved in DIR (logging.save_rollout_records: "
+                             "<run_dir>/rollouts) instead of rolling out: no vLLM engine, no tools, no validation")
     args = parser.parse_args(list(argv))
     cfg = config_from_args(args)
     setup_console_logging(cfg.logging.console_level)
     validate_paths(cfg, for_command="train")
-    check_tools(cfg)  # the tools run in this process: a sandbox or key problem is an input error
+    if args.replay_rollouts is None:
+        check_tools(cfg)  # the tools run in this process: a sandbox or key problem is an input error
+    else:
+        from megatron_arpo.trainer.replay import ReplaySource
+
+        ReplaySource.open(args.replay_rollouts)  # a bad DIR: exit 2 before anything starts
     try:
-        return train(cfg, args.resume or cfg.trainer.resume)
+        return train(cfg, args.resume or cfg.trainer.resume, args.replay_rollouts)
     except InputError:
         raise  # a config, dataset or checkpoint problem: the CLI prints it and exits 2
     except Exception as exc:  # any component: one clear line, the traceback in a file

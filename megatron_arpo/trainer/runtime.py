@@ -18,6 +18,10 @@ config key to fix, and everything already started is stopped again on failure):
 5. the rollout group and scheduler, the weight-sync transport, the metrics logger;
 6. on resume: sampler, step and tool cache restored, and the engines loaded with the resumed weights.
 
+With ``replay_dir`` (``train --replay-rollouts DIR``, ``megatron_arpo.trainer.replay``) steps 2's tools and
+4's engines, 5's rollout group, scheduler and transport are not started, and validation is off: the
+recorded rollouts replace them.
+
 ``Runtime.close()`` stops exactly what was started — tools, actor groups, engines, resource pools, the
 Ray connection (a private local Ray instance ends with it) — and reports any actor of this job still
 alive. Every blocking call is bounded by a ``trainer.timeouts`` value (``Runtime.run_async`` for the
@@ -124,6 +128,7 @@ class Runtime:
     metrics_logger: Any = None
     tied_embeddings: bool = False
     phases: Any = None                # megatron_arpo.trainer.phases.PhaseState (colocated sleep/offload)
+    replay: Any = None                # megatron_arpo.trainer.replay.ReplaySource when replaying records
     closed: bool = False
 
     @property
@@ -303,7 +308,7 @@ def _placement_plan(cfg: Any) -> Any:
     return plan
 
 
-def start_runtime(cfg: Any, resume: str) -> Runtime:
+def start_runtime(cfg: Any, resume: str, replay_dir: Optional[str] = None) -> Runtime:
     from transformers import AutoTokenizer
 
     from megatron_arpo.actor.group import ActorGroup
@@ -316,11 +321,14 @@ def start_runtime(cfg: Any, resume: str) -> Runtime:
     from megatron_arpo.data.chat import load_chat_format
     from megatron_arpo.rollout.scheduler import RolloutOptions, RolloutScheduler
     from megatron_arpo.rollout.weight_sync import make_transport
-    from megatron_arpo.tools.registry import build_tools
     from megatron_arpo.trainer import checkpointing
 
     cfg = with_absolute_paths(cfg)
     rt = Runtime(cfg=cfg, run_dir=cfg.run_dir)
+    if replay_dir is not None:
+        from megatron_arpo.trainer.replay import ReplaySource
+
+        rt.replay = ReplaySource.open(replay_dir)  # a bad DIR fails before anything starts
     try:
         rt.run_dir.mkdir(parents=True, exist_ok=True)
         hf_dir = cfg.model.hf_checkpoint
@@ -328,20 +336,15 @@ def start_runtime(cfg: Any, resume: str) -> Runtime:
         rt.chat = load_chat_format(rt.tokenizer, hf_dir, tokenizer_dir=cfg.model.tokenizer,
                                    chat_template_file=cfg.data.chat_template, enable_thinking=cfg.data.enable_thinking)
         rt.train = load_prompt_set(cfg.data.train_files, cfg.data, rt.chat)
-        rt.val = load_prompt_set(cfg.data.val_files, cfg.data, rt.chat) if cfg.data.val_files else None
-        rt.total_steps = count_steps(cfg, len(rt.train))
+        rt.val = load_prompt_set(cfg.data.val_files, cfg.data, rt.chat) if cfg.data.val_files and not rt.replay else None
+        schedule_steps = count_steps(cfg, len(rt.train))  # the LR schedule's, also when a replay stops earlier
+        rt.total_steps = min(schedule_steps, rt.replay.last_step) if rt.replay else schedule_steps
         rt.sampler = EpochSampler(len(rt.train), cfg.trainer.train_batch_size, seed=cfg.data.seed,
                                   shuffle=cfg.data.shuffle)
         rt.reward_fn = get_reward_fn(cfg.data.reward)
         rt.resume_from = checkpointing.resolve_resume(rt.checkpoint_root, resume)
-        # Tools run in this process: build and probe them before anything expensive starts.
-        tools_cfg = cfg.to_dict()["tools"]
-        if tools_cfg["cache"] is not None:
-            tools_cfg["cache"]["path"] = checkpointing.tool_cache_path(cfg)  # node-local unless set
-            logger.info("tool cache: %s (snapshot in every checkpoint)", tools_cfg["cache"]["path"])
-        rt.tools = build_tools(tools_cfg)
-        _probe_tools(rt)
-        rt.protocol = rt.chat.protocol(rt.tools.tags)
+        if rt.replay is None:  # tools run in this process: build and probe them before anything expensive starts
+            _start_tools(rt)
         rt.options = RolloutOptions.from_config(cfg.rollout)
         rt.tied_embeddings = resolved_model(cfg).tie_word_embeddings
         transport_kind = _transport_kind(cfg)
@@ -352,8 +355,9 @@ def start_runtime(cfg: Any, resume: str) -> Runtime:
         rt.conn = connect_ray(cfg)
         on_gpu = cfg.launcher.gpus_per_node > 0
         rt.pools = ResourcePools.create(_placement_plan(cfg), timeout=cfg.trainer.timeouts.startup_s)
-        _start_engines(rt, hf_dir, on_gpu)  # engines start while the Megatron ranks do
-        optimizer_steps = (rt.total_steps * max(cfg.trainer.train_batch_size // cfg.actor.mini_batch_size, 1)
+        if rt.replay is None:
+            _start_engines(rt, hf_dir, on_gpu)  # engines start while the Megatron ranks do
+        optimizer_steps = (schedule_steps * max(cfg.trainer.train_batch_size // cfg.actor.mini_batch_size, 1)
                            * cfg.actor.ppo_epochs)
         rt.actor = ActorGroup(cfg, role="policy", hf_dir=hf_dir,
                               load_dir=str(rt.resume_from) if rt.resume_from else None,
@@ -361,24 +365,41 @@ def start_runtime(cfg: Any, resume: str) -> Runtime:
         record_placement(cfg, rt.actor)
         if cfg.algorithm.use_reference:
             rt.reference = ActorGroup(cfg, role="reference", hf_dir=hf_dir, pools=rt.pools)
-        _wait_for_engines(rt)
-        rt.group = RolloutGroup(rt.engines)
-        rt.scheduler = RolloutScheduler(rt.group, rt.tools, rt.protocol, rt.options)
-        rt.transport = make_transport(transport_kind, on_gpu, cfg.trainer.placement == "colocated")
+        if rt.replay is None:
+            _wait_for_engines(rt)
+            rt.group = RolloutGroup(rt.engines)
+            rt.scheduler = RolloutScheduler(rt.group, rt.tools, rt.protocol, rt.options)
+            rt.transport = make_transport(transport_kind, on_gpu, cfg.trainer.placement == "colocated")
 
         if rt.resume_from is not None:
             checkpointing.restore_driver_state(rt, rt.actor.init_state or {})
         from megatron_arpo.trainer.phases import PhaseState, switch_phase
 
-        rt.phases = PhaseState.from_config(cfg)
+        # A replay has no engine to share the devices with: nothing sleeps or offloads.
+        rt.phases = PhaseState.from_config(cfg) if rt.replay is None else PhaseState(sleep_level=None, offload=False)
         # Resumed: the engines started from the HF checkpoint, not the resumed weights (the switch syncs).
         rt.phases.weights_stale = rt.resume_from is not None
         switch_phase(rt, "rollout")  # and with actor.offload the actor's state leaves before the first rollout
+        if rt.replay is not None:
+            rt.replay.check_covers(rt.step + 1, rt.total_steps)
         _start_metrics_logger(rt)
         return rt
     except BaseException:
         rt.close()
         raise
+
+
+def _start_tools(rt: Runtime) -> None:
+    from megatron_arpo.tools.registry import build_tools
+    from megatron_arpo.trainer import checkpointing
+
+    tools_cfg = rt.cfg.to_dict()["tools"]
+    if tools_cfg["cache"] is not None:
+        tools_cfg["cache"]["path"] = checkpointing.tool_cache_path(rt.cfg)  # node-local unless set
+        logger.info("tool cache: %s (snapshot in every checkpoint)", tools_cfg["cache"]["path"])
+    rt.tools = build_tools(tools_cfg)
+    _probe_tools(rt)
+    rt.protocol = rt.chat.protocol(rt.tools.tags)
 
 
 def _transport_kind(cfg: Any) -> str:

@@ -18,6 +18,9 @@
   (``rollout.weight_sync.sync_weights``), prefix caches dropped; bounded by ``trainer.timeouts.sync_s``.
   With tied embeddings ``lm_head.weight`` is sent as well (see the comment there).
 - ``validate``: greedy, n = 1, no branching on ``data.val_files``; mean reward per data source.
+
+When replaying recorded rollouts (``rt.replay``, ``megatron_arpo.trainer.replay``) ``rollout`` reads the
+step's records, ``score`` keeps their recorded rewards, and ``sync_weights`` has no engine to send to.
 """
 
 from __future__ import annotations
@@ -42,11 +45,14 @@ def _run_scheduler(rt: Any, prompts: list, call_key: str, options: Any, what: st
                         rt.cfg.trainer.timeouts.rollout_s, what, "trainer.timeouts.rollout_s", cancel_when)
 
 
-def rollout(rt: Any, prompts: list, step: int, cancel_when: Any = None) -> Any:
-    """``cancel_when()`` (a stop request) cancels the rollout: ``StepAborted`` (see trainer.signals)."""
+def rollout(rt: Any, prompts: list, step: int, cancel_when: Any = None) -> tuple[list, Any]:
+    """The step's prompts and ``RolloutResult``; ``cancel_when()`` (a stop request) cancels the rollout:
+    ``StepAborted`` (see trainer.signals). A replay returns the recorded prompts and trajectories."""
+    if rt.replay is not None:
+        return rt.replay.load(step)
     result = _run_scheduler(rt, prompts, f"train-{step}", None, f"the rollout of step {step}", cancel_when)
     check_tool_backends(result.trajectories(), step)
-    return result
+    return prompts, result
 
 
 OUTAGE_MIN_CALLS = 3  # fewer failures may be a blip the model can live with (it reads the error result)
@@ -69,6 +75,11 @@ def check_tool_backends(trajectories: list, step: int) -> None:
 def score(rt: Any, result: Any, prompts: list, prompt_set: Any, indices: list[int]) -> dict[str, str]:
     """Set ``reward`` on every trajectory; returns prompt id -> data source (for per-source metrics)."""
     from megatron_arpo.rollout.trajectory import score_trajectories
+
+    if rt.replay is not None:
+        from megatron_arpo.trainer.replay import data_sources
+
+        return data_sources(prompts, prompt_set)  # the recorded rewards are the step's rewards
 
     sources = {}
     for prompt, index, group in zip(prompts, indices, result.groups):
@@ -106,6 +117,17 @@ def add_log_probs(rt: Any, batch: dict[str, Any], timer: Any) -> dict[str, float
     return {"padding_fraction": out["padding_fraction"]}
 
 
+def tool_stats(rt: Any) -> dict[str, Any]:
+    """The tool executor's counters (none when replaying records: no tool runs)."""
+    return rt.tools.stats() if rt.tools is not None else {}
+
+
+def tool_tags(rt: Any, trajectories: list) -> list[str]:
+    if rt.tools is not None:
+        return list(rt.tools.tags)
+    return sorted({c.tool for t in trajectories for c in t.tool_calls})
+
+
 def update(rt: Any, batch: dict[str, Any]) -> dict[str, float]:
     train_keys = ("input_ids", "loss_mask", "advantages", "group_ids", "old_logprobs", "ref_logprobs")
     return rt.actor.update({k: batch[k] for k in train_keys if k in batch})
@@ -116,6 +138,8 @@ def sync_weights(rt: Any) -> dict[str, float]:
     from megatron_arpo.rollout.weight_sync import sync_weights as send
     from megatron_arpo.trainer.metrics import sync_metrics
 
+    if rt.group is None:  # replaying records: no engine to send to
+        return {}
     start = time.perf_counter()
     buckets = rt.actor.export_weights()
     export_s = time.perf_counter() - start
