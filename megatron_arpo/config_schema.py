@@ -89,11 +89,11 @@ class RolloutSection:
     n: int = _f(16, ge=1, le=4096, help="trajectories per prompt (global budget M)")
     initial_rollouts: int = _f(8, ge=1, help="fresh trajectories started per prompt; = n is plain GRPO")
     beam_size: int = _f(2, ge=1, help="a branch decision forks up to beam_size - 1 copies")
-    branch_threshold: float = _f(0.5, ge=0, le=1, help="tau: branch iff clip(U - beta*dH, 0, 1) <= tau")
-    entropy_weight: float = _f(0.2, ge=0, help="beta, weight of the entropy change")
+    branch_threshold: float = _f(0.5, ge=0, le=1, help="tau. ARPO: branch iff clip(U - beta*dH, 0, 1) <= tau, P = tau + beta*dH; AEPO: branch iff clip((U + beta*dH)*(1 - penalty*c), 0, 1) >= tau, P = 1 - tau + beta*dH at c = 0 (so AEPO's tau = 1 - ARPO's). The published 0.5 assumes branch_timing: reference; with after_result lower it by beta*E[dH at 1st decision] (ARPO) or raise it (AEPO) to get the published first-decision rate (table: megatron_arpo/algo/branching.py)")
+    entropy_weight: float = _f(0.2, ge=0, help="beta, weight of the entropy change dH (both variants). The published 0.2 is on the reference estimator's scale; with entropy_estimator: mean use about 0.2*window*ln(logprobs_topk)/ln|V| (0.77 for 20, 10, Qwen; less when segments are shorter than the window)")
     entropy_window: int = _f(20, ge=1, help="tokens after a tool result that the entropy is measured on")
-    entropy_estimator: Literal["reference", "mean"] = _f("reference")
-    branch_timing: Literal["after_result", "reference"] = _f("after_result")
+    entropy_estimator: Literal["reference", "mean"] = _f("reference", help="reference: sum over <= window positions / ln/V/, 0..~3.9, grows with segment length (the published tau/beta's scale); mean: per-token top-k entropy / ln k, 0..1, length independent")
+    branch_timing: Literal["after_result", "reference"] = _f("after_result", help="after_result: a decision reads the first window tokens after the tool result (dH != 0 from the 1st decision); reference: the segment that ended with the call (1st decision dH = 0, P = tau)")
     logprobs_topk: int = _f(10, ge=1, help="top-k log-probs per position of the entropy window (other tokens: the sampled one's only)")
     variant: Literal["arpo", "aepo"] = _f("arpo", help="branching rule")
     dynamic_initial_rollouts: bool = _f(False, help="AEPO entropy pre-monitoring sets initial_rollouts per prompt")
@@ -270,7 +270,7 @@ class LoggingSection:
     console_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = _f("INFO")
     progress_bars: bool = _f(True)
     metrics_jsonl: bool = _f(True, help="write <run_dir>/metrics.jsonl")
-    save_rollout_records: bool = _f(False, help="write rollout records (JSONL) each step for replay")
+    save_rollout_records: bool = _f(False, help="write <run_dir>/rollouts/step-N.jsonl (+ .stats.json) each step; train --replay-rollouts <run_dir>/rollouts trains on them without engines")
 
 
 # ------------------------------------------------------------------------------------------ launcher

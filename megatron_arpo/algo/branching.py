@@ -5,8 +5,39 @@ trajectory's first-segment baseline), β = ``entropy_weight``, τ = ``threshold`
 
 * ``variant="arpo"``: s = clip(U - β·ΔH, 0, 1); branch iff s <= τ. P(branch) = clip(τ + β·ΔH, 0, 1).
 * ``variant="aepo"``: s = clip((U + β·ΔH)·max(0, 1 - penalty·c), 0, 1); branch iff s >= τ, where c is
-  the consecutive-branch count the caller tracks. With c = 0 the branch probability equals ARPO's.
+  the consecutive-branch count the caller tracks. With c = 0, P(branch) = clip(1 - τ + β·ΔH, 0, 1): the
+  same as ARPO's only at τ = 0.5. τ means opposite things in the two rules (ARPO: the branch probability
+  at ΔH = 0; AEPO: the no-branch probability at ΔH = 0), so an ARPO τ_A corresponds to an AEPO τ = 1 - τ_A.
+  With c > 0, P = clip(1 - τ/f + β·ΔH, 0, 1), f = 1 - penalty·c.
 * ``aepo_initial_rollouts``: m = clip(floor(n·σ(0.5·ΔH)) + 1, 1, n), ΔH = H_root - mean H_tool.
+
+What τ and β mean depends on two rollout settings, ``rollout.branch_timing`` (which segment's entropy a
+decision reads) and ``rollout.entropy_estimator`` (the scale of H, `megatron_arpo.algo.entropy`). The
+published values (ARPO scripts: τ = 0.5, β = 0.2; AEPO: τ = 0.5, β = 0.2) were tuned on the reference code,
+i.e. ``reference`` timing and ``reference`` estimator; in that combination the first decision of a
+trajectory reads the segment that also set H0, so ΔH = 0 and it branches with probability exactly τ, and
+later decisions with τ + β·ΔH. The τ/β that reproduce those rates in the other combinations (ARPO; for AEPO
+use 1 - τ, same β; E[ΔH₁] = mean ΔH at a trajectory's first decision, read from a first step's
+``rollout/entropy_after_tool - rollout/entropy_first_segment`` metrics; S = W·ln(k)/ln|V|, W =
+``entropy_window``, k = top-k entries per position, S = 3.86 for W = 20, k = 10 and Qwen's |V| ≈ 151.7k):
+
+| timing | estimator | ΔH at the 1st decision | scale of H | τ | β |
+|---|---|---|---|---|---|
+| reference | reference | 0 | [0, ≈ S]: sum over ≤ W positions / ln|V|, smaller for short segments | 0.5 | 0.2 |
+| reference | mean | 0 | [0, 1] per token, length independent | 0.5 | 0.2·S = 0.77 when segments fill the window; less when many are shorter (0.36 measured with a third under W); no single β reproduces the reference's shrinking of short segments |
+| after_result | reference | H(first W tokens after the result) - H0, ≠ 0 | as row 1 | 0.5 - 0.2·E[ΔH₁] .. 0.5: the low end gives the 1st decision's rate τ, the high end the later decisions' rates (both timings read a post-result segment there) | 0.2 |
+| after_result | mean | as row 3 | as row 2 | 0.5 - β·E[ΔH₁] .. 0.5 | as row 2 |
+
+How it was derived and measured: for a position whose top-k mass is ≈ 1, the reference estimator adds the
+position's entropy / ln|V| and the mean estimator averages entropy / ln k, so a full window gives
+H_reference = S·H_mean; a segment of L < W tokens gives L/W of that. ``after_result`` shifts every decision
+to the segment after the result, so its first decision has ΔH ≠ 0 and an offset of β·E[ΔH₁]. The
+benchmark ``benchmarks/branching_rates.py`` runs the real scheduler on a scripted policy with a known
+entropy profile and compares the per-decision branch probabilities of every row with the reference
+combination (benchmarks/RESULTS.md): with full windows the converted β reproduces the reference's rates
+exactly (0.500 / 0.575 / 0.590 at the 1st / 2nd / 3rd decision), and the lowered τ gives 0.500 at the
+first ``after_result`` decision. The ranges hold for that profile; a different policy has another E[ΔH₁]
+and another length mix, which the formulas take as inputs.
 
 The formulas, including the float evaluation order, match the reference, so recorded draws replay
 to the same decisions. Differences from the reference live in the caller, not here: the reference
@@ -113,9 +144,10 @@ class BranchRng:
 
     Independent of Python's global ``random`` and of numpy/torch RNGs. ``state_dict()`` is plain
     JSON-serialisable data; loading it continues the stream exactly. ``spawn(key)`` derives an
-    independent child stream from (seed, key) through SHA-256, so an asynchronous scheduler can give
-    each prompt or trajectory its own stream and stay deterministic whatever order tool results
-    arrive in.
+    independent child stream from (seed, key) through SHA-256, so each trajectory's draws do not depend
+    on the order in which tool results arrive. That alone does not make a tree reproducible: which
+    decision gets a contested budget slot must not depend on arrival order either, which the scheduler
+    ensures by allocating slots in a canonical order (`megatron_arpo.rollout.ledger`).
     """
 
     def __init__(self, seed: int) -> None:

@@ -18,6 +18,10 @@ Estimators (select with ``estimator=``):
     [0, ln k / ln|V|] ≈ [0, 0.19] and β·ΔH would barely move the branch probability. ``vocab_size`` is
     only validated, not used, by this estimator.
 
+For a top-k mass near 1, a full window gives reference = W·ln(k)/ln|V| × mean (3.86 at W = 20, k = 10,
+Qwen's |V|); the τ/β each estimator needs to reproduce the published branching rates are tabulated in
+`megatron_arpo.algo.branching`.
+
 Both estimators skip ``-inf`` log-probs (probability 0; the reference would produce NaN from
 ``exp(-inf)·(-inf)``, Q3) and reject NaN/+inf with an error naming the position.
 
