@@ -18,9 +18,10 @@ config key to fix, and everything already started is stopped again on failure):
 5. the rollout group and scheduler, the weight-sync transport, the metrics logger;
 6. on resume: sampler, step and tool cache restored, and the engines loaded with the resumed weights.
 
-With ``replay_dir`` (``train --replay-rollouts DIR``, ``megatron_arpo.trainer.replay``) steps 2's tools and
-4's engines, 5's rollout group, scheduler and transport are not started, and validation is off: the
-recorded rollouts replace them.
+With ``replay_dir`` (``train --replay-rollouts DIR``, ``megatron_arpo.trainer.replay``) the tools, the
+engines, the rollout group, the scheduler and the weight-sync transport are not started and validation is
+off: the recorded rollouts replace them. The run ends at the last recorded step (the LR schedule still
+counts the config's steps).
 
 ``Runtime.close()`` stops exactly what was started — tools, actor groups, engines, resource pools, the
 Ray connection (a private local Ray instance ends with it) — and reports any actor of this job still
@@ -336,9 +337,9 @@ def start_runtime(cfg: Any, resume: str, replay_dir: Optional[str] = None) -> Ru
         rt.chat = load_chat_format(rt.tokenizer, hf_dir, tokenizer_dir=cfg.model.tokenizer,
                                    chat_template_file=cfg.data.chat_template, enable_thinking=cfg.data.enable_thinking)
         rt.train = load_prompt_set(cfg.data.train_files, cfg.data, rt.chat)
-        rt.val = load_prompt_set(cfg.data.val_files, cfg.data, rt.chat) if cfg.data.val_files and not rt.replay else None
+        rt.val = load_prompt_set(cfg.data.val_files, cfg.data, rt.chat) if cfg.data.val_files and rt.replay is None else None
         schedule_steps = count_steps(cfg, len(rt.train))  # the LR schedule's, also when a replay stops earlier
-        rt.total_steps = min(schedule_steps, rt.replay.last_step) if rt.replay else schedule_steps
+        rt.total_steps = schedule_steps if rt.replay is None else min(schedule_steps, rt.replay.last_step)
         rt.sampler = EpochSampler(len(rt.train), cfg.trainer.train_batch_size, seed=cfg.data.seed,
                                   shuffle=cfg.data.shuffle)
         rt.reward_fn = get_reward_fn(cfg.data.reward)
