@@ -23,7 +23,7 @@ from megatron_arpo.rollout.protocol import TagProtocol
 from megatron_arpo.rollout.scheduler import RolloutOptions, RolloutPrompt, RolloutScheduler
 from megatron_arpo.rollout.scripted import ScriptedEngine, ScriptedStep
 from megatron_arpo.tools.base import ToolExecutor
-from test_rollout_scheduler import CODEC, PROMPT, RESULT, ScriptedSearch, make_scheduler, run, table
+from scheduler_helpers import CODEC, PROMPT, RESULT, ScriptedSearch, make_scheduler, run, table
 
 WINDOW = 8
 
