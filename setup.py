@@ -45,5 +45,9 @@ setup(
         "gpu": ["torch==2.13.0", "vllm>=0.32.0,<0.33"],
         "test": ["pytest>=8", "pytest-timeout", "psutil"],
     },
-    entry_points={"console_scripts": ["megatron-arpo=megatron_arpo.cli:main"]},
+    entry_points={
+        "console_scripts": ["megatron-arpo=megatron_arpo.cli:main"],
+        # vLLM runs these in each of its processes: the weight-sync receivers (rollout/vllm_plugin.py).
+        "vllm.general_plugins": ["megatron_arpo_weight_sync=megatron_arpo.rollout.vllm_plugin:register_weight_transfer_engines"],
+    },
 )

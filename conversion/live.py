@@ -9,18 +9,24 @@ pipeline stages (several chunks per rank) are not supported yet and are rejected
   lazily from safetensors (``safe_open`` + ``get_slice``): memory is this rank's shards, not the model.
   Before copying it checks the HF config against the model config, coverage of the HF tensors, their
   shapes, and that every parameter of the stage gets exactly one tensor of the right shape.
-- :func:`export_hf_weights` is a generator of ``(hf_name, full tensor)`` that every rank of the TP x PP
-  grid iterates in lockstep and that yields the same sequence on every rank: each tensor's TP shards are
-  gathered on the TP group (``all_gather``), turned into HF tensors by the table (vocab trimmed, no
-  ``lm_head`` when tied), and the owning pipeline stage broadcasts them to the other stages bucket by
-  bucket (metadata is sent with every bucket: nothing is cached across calls).
+- :func:`stage_hf_buckets` streams one pipeline stage's HF tensors as packed buckets (whole decoder
+  layers, about ``bucket_bytes`` each, the tensors back to back in one flat byte buffer): each tensor's
+  TP shards are gathered (on one TP rank, the weight-sync sender, or on all), turned into HF tensors by
+  the table (vocab trimmed, no ``lm_head`` when tied) and copied into the bucket. The weight sync sends
+  these buckets to the rollout engines (megatron_arpo.rollout.weight_sender).
+- :func:`export_hf_buckets` / :func:`export_hf_weights` give the whole model on every rank of the TP x
+  PP grid, in lockstep and in the same order: the owning stage broadcasts each packed bucket to the
+  other stages (metadata with every bucket: nothing is cached across calls). HF checkpoint writing and
+  ``verify`` use them.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
-from typing import Iterator, Sequence
+from types import MappingProxyType
+from typing import Iterator, Mapping, Sequence
 
 import torch
 
@@ -114,49 +120,199 @@ def load_hf_into_megatron(models, model_cfg: ModelConfig, hf_dir: str | os.PathL
     return loaded
 
 
-def _gather_full(rule: mapping.BoundRule, param: torch.Tensor, tp_group, tp_size: int) -> torch.Tensor:
+def _gather_full(rule: mapping.BoundRule, param: torch.Tensor, tp_group, tp_size: int,
+                 dst: int | None) -> torch.Tensor | None:
+    """The full (TP-unsharded) tensor of ``rule`` on the receiving ranks (``dst``, or all when None).
+
+    Row-concatenated shards (column, vocab) are gathered straight into the full tensor's row blocks, so
+    the only memory is the full tensor; the others (row, gated) gather into pieces and are unsharded.
+    """
     local = param.detach().contiguous()
     if tp_size == 1 or rule.shard is mapping.Shard.REPLICATED:
         return local
-    shards = [torch.empty_like(local) for _ in range(tp_size)]
-    torch.distributed.all_gather(shards, local, group=tp_group)
-    return mapping.unshard(rule.shard, shards)
+    receiving = dst is None or torch.distributed.get_rank(tp_group) == dst
+    full = pieces = None
+    if receiving:
+        if rule.shard in (mapping.Shard.COLUMN, mapping.Shard.VOCAB):
+            full = torch.empty((local.shape[0] * tp_size, *local.shape[1:]), dtype=local.dtype, device=local.device)
+            pieces = list(full.chunk(tp_size, dim=0))  # contiguous row blocks: gathered in place
+        else:
+            pieces = [torch.empty_like(local) for _ in range(tp_size)]
+    if dst is None:
+        torch.distributed.all_gather(pieces, local, group=tp_group)
+    else:
+        torch.distributed.gather(local, pieces, group=tp_group, group_dst=dst)
+    if not receiving:
+        return None
+    return full if full is not None else mapping.unshard(rule.shard, pieces)
 
 
-def _stage_hf_tensors(models, cfg, pp_rank, pp_size, tp_group, tp_size, dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def _hf_outputs(rule: mapping.BoundRule, cfg: ModelConfig, dtype: torch.dtype,
+                aliases: Mapping[str, Sequence[str]]) -> list[tuple[str, tuple[int, ...]]]:
+    shapes = rule.hf_shapes(cfg)
+    out = []
+    for name in rule.hf_outputs:
+        out += [(n, tuple(shapes[name])) for n in (name, *aliases.get(name, ()))]
+    return out
+
+
+def plan_stage_buckets(rules: Sequence[mapping.BoundRule], cfg: ModelConfig, dtype: torch.dtype, bucket_bytes: int,
+                       aliases: Mapping[str, Sequence[str]] = MappingProxyType({})) -> list[list[mapping.BoundRule]]:
+    """Rules grouped in order into buckets of about ``bucket_bytes`` of HF output, whole layers only.
+
+    A bucket closes only between decoder layers: vLLM reloads a fused module (qkv_proj, gate_up_proj)
+    correctly only when all its parts arrive together, and its layerwise reload buffers a layer until it
+    is complete. A layer larger than ``bucket_bytes`` is a bucket of its own.
+    """
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes={bucket_bytes} must be >= 1 (rollout.sync_bucket_mb)")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    units: list[tuple[object, list[mapping.BoundRule], int]] = []
+    for rule in rules:
+        size = sum(math.prod(shape) * itemsize for _, shape in _hf_outputs(rule, cfg, dtype, aliases))
+        key = rule.layer if rule.layer is not None else rule.megatron
+        if units and units[-1][0] == key:
+            units[-1][1].append(rule)
+            units[-1] = (key, units[-1][1], units[-1][2] + size)
+        else:
+            units.append((key, [rule], size))
+    buckets: list[list[mapping.BoundRule]] = []
+    filled = 0
+    for _, unit, size in units:
+        if buckets and filled + size <= bucket_bytes:
+            buckets[-1].extend(unit)
+            filled += size
+        else:
+            buckets.append(list(unit))
+            filled = size
+    return buckets
+
+
+def _bucket_layout(bucket: Sequence[mapping.BoundRule], cfg: ModelConfig, dtype: torch.dtype,
+                   aliases: Mapping[str, Sequence[str]]) -> tuple[list[tuple[str, tuple[int, ...]]], int]:
+    layout = [item for rule in bucket for item in _hf_outputs(rule, cfg, dtype, aliases)]
+    return layout, sum(math.prod(shape) for _, shape in layout) * torch.empty((), dtype=dtype).element_size()
+
+
+def max_bucket_bytes(cfg: ModelConfig, pp_size: int, dtype: torch.dtype, bucket_bytes: int,
+                     aliases: Mapping[str, Sequence[str]] = MappingProxyType({})) -> int:
+    """The largest packed bucket any stage builds (a reusable send buffer's size)."""
+    bound = mapping.bind_table(cfg)
+    sizes = [0]
+    for stage in range(pp_size):
+        rules = [r for r in mapping.rules_for_stage(bound, cfg, stage, pp_size) if r.hf_outputs]
+        sizes += [_bucket_layout(b, cfg, dtype, aliases)[1] for b in plan_stage_buckets(rules, cfg, dtype,
+                                                                                        bucket_bytes, aliases)]
+    return max(sizes)
+
+
+def _packed_views(flat: torch.Tensor, layout: Sequence[tuple[str, tuple[int, ...]]], dtype: torch.dtype
+                  ) -> list[tuple[str, torch.Tensor]]:
+    views, pos = [], 0
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    for name, shape in layout:
+        size = math.prod(shape) * itemsize
+        views.append((name, flat[pos:pos + size].view(dtype).view(shape)))
+        pos += size
+    return views
+
+
+def stage_hf_buckets(models, cfg: ModelConfig, bucket_bytes: int, *, tp_group, pp_rank: int, pp_size: int,
+                     dst: int | None = None, dtype: torch.dtype | None = None,
+                     aliases: Mapping[str, Sequence[str]] = MappingProxyType({}), buffer: torch.Tensor | None = None
+                     ) -> Iterator[tuple[torch.Tensor, list[tuple[str, torch.Tensor]]] | None]:
+    """This pipeline stage's HF tensors, one packed bucket at a time (collective over the TP group).
+
+    Per bucket: each tensor's TP shards are gathered on TP rank ``dst`` of ``tp_group`` (every TP rank when
+    None), mapped through the conversion table and copied into one flat ``uint8`` buffer that holds the
+    bucket's HF tensors back to back (``buffer[:n]`` when a reusable ``buffer`` is given); the gathered
+    tensor is dropped before the next. Yields ``(flat, [(hf_name, view of flat)])`` on the receiving
+    ranks and ``None`` on the others (they only contributed shards). ``aliases`` names extra copies of a
+    tensor (e.g. ``{"model.embed_tokens.weight": ["lm_head.weight"]}``). Memory on a receiving rank: the
+    bucket plus the largest tensor twice (its gathered pieces and the full tensor while unsharding).
+    """
+    tp_size = torch.distributed.get_world_size(tp_group)
+    receiving = dst is None or torch.distributed.get_rank(tp_group) == dst
     params = stage_parameters(models, cfg, pp_rank, pp_size)
-    for rule in mapping.rules_for_stage(mapping.bind_table(cfg), cfg, pp_rank, pp_size):
-        if not rule.hf_outputs:
-            continue  # tied output layer: HF has no lm_head
-        full = _gather_full(rule, params[rule.megatron], tp_group, tp_size)
-        for name, tensor in rule.to_hf(full, cfg).items():
-            yield name, tensor.to(dtype) if dtype is not None else tensor
+    rules = [r for r in mapping.rules_for_stage(mapping.bind_table(cfg), cfg, pp_rank, pp_size) if r.hf_outputs]
+    if not rules:
+        return
+    dtype = dtype or params[rules[0].megatron].dtype
+    device = params[rules[0].megatron].device
+    for bucket in plan_stage_buckets(rules, cfg, dtype, bucket_bytes, aliases):
+        layout, nbytes = _bucket_layout(bucket, cfg, dtype, aliases)
+        named = flat = None
+        if receiving:
+            if buffer is not None and buffer.numel() < nbytes:
+                raise ValueError(f"the send buffer holds {buffer.numel()} bytes, a bucket needs {nbytes}")
+            flat = buffer[:nbytes] if buffer is not None else torch.empty(nbytes, dtype=torch.uint8, device=device)
+            named = _packed_views(flat, layout, dtype)
+        views = dict(named or ())
+        for rule in bucket:
+            full = _gather_full(rule, params[rule.megatron], tp_group, tp_size, dst)
+            if full is None:
+                continue
+            for name, tensor in rule.to_hf(full, cfg).items():
+                for target in (name, *aliases.get(name, ())):
+                    views[target].copy_(tensor)
+            del full, tensor
+        yield (flat, named) if receiving else None
 
 
-def _broadcast_bucket(items: Sequence[tuple[str, torch.Tensor]] | None, src: int, group) -> list | None:
-    """Owner sends names/shapes/dtypes then one flat byte buffer; others rebuild the tensors."""
+def _broadcast_bucket(bucket: tuple[torch.Tensor, list] | None, src: int, group,
+                      buffer: torch.Tensor | None = None) -> tuple[torch.Tensor, list] | None:
+    """Stage owner sends a packed bucket's names/shapes/dtype, then its flat bytes; others rebuild the views.
+
+    ``None`` from the owner ends the stage. The bytes travel on the group's device: the current GPU
+    under NCCL, the host under gloo.
+    """
     meta = [None]
-    if items is not None:
-        meta = [[(name, tuple(t.shape), t.dtype) for name, t in items]]
+    if bucket is not None:
+        flat, named = bucket
+        meta = [([(name, tuple(t.shape)) for name, t in named], named[0][1].dtype if named else torch.uint8,
+                 flat.numel())]
     torch.distributed.broadcast_object_list(meta, src=src, group=group)
     if meta[0] is None:
         return None
-    sizes = [torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size() for _, shape, dt in meta[0]]
-    # The bytes travel on the group's device: the current GPU under NCCL, the host under gloo.
+    layout, dtype, nbytes = meta[0]
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    if items is not None:
-        flat = torch.cat([t.contiguous().view(-1).view(torch.uint8) for _, t in items]).to(device) if items else \
-            torch.empty(0, dtype=torch.uint8, device=device)
+    if bucket is not None:
+        flat = bucket[0] if bucket[0].device == device else bucket[0].to(device)
+    elif buffer is not None:
+        flat = buffer[:nbytes]
     else:
-        flat = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+        flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
     torch.distributed.broadcast(flat, src=src, group=group)
-    if items is not None:
-        return list(items)
-    out, pos = [], 0
-    for (name, shape, dt), size in zip(meta[0], sizes):
-        out.append((name, flat[pos:pos + size].view(dt).view(shape)))
-        pos += size
-    return out
+    return bucket if bucket is not None else (flat, _packed_views(flat, layout, dtype))
+
+
+def export_hf_buckets(models, model_cfg: ModelConfig, bucket_bytes: int = DEFAULT_BUCKET_BYTES, *,
+                      tp_group=None, pp_group=None, dtype: torch.dtype | None = None,
+                      aliases: Mapping[str, Sequence[str]] = MappingProxyType({}), buffer: torch.Tensor | None = None
+                      ) -> Iterator[tuple[torch.Tensor, list[tuple[str, torch.Tensor]]]]:
+    """The whole model's HF tensors as packed buckets ``(flat, [(hf_name, view)])`` on every rank.
+
+    Collective: every rank of the TP x PP grid iterates in lockstep and gets the same sequence. Stage
+    by stage, the owning stage builds each bucket (`stage_hf_buckets`, gathered on every TP rank) and
+    broadcasts it to the other stages. Groups default to Megatron's parallel state.
+    """
+    from megatron.core import parallel_state
+
+    tp_group = tp_group if tp_group is not None else parallel_state.get_tensor_model_parallel_group()
+    pp_group = pp_group if pp_group is not None else parallel_state.get_pipeline_model_parallel_group()
+    pp_size = torch.distributed.get_world_size(pp_group)
+    pp_rank = torch.distributed.get_rank(pp_group)
+    pp_ranks = torch.distributed.get_process_group_ranks(pp_group)
+    for stage in range(pp_size):
+        if stage == pp_rank:
+            for bucket in stage_hf_buckets(models, model_cfg, bucket_bytes, tp_group=tp_group, pp_rank=stage,
+                                           pp_size=pp_size, dtype=dtype, aliases=aliases, buffer=buffer):
+                yield _broadcast_bucket(bucket, pp_ranks[stage], pp_group) if pp_size > 1 else bucket
+            if pp_size > 1:
+                _broadcast_bucket(None, pp_ranks[stage], pp_group)  # end of stage
+        else:
+            while (received := _broadcast_bucket(None, pp_ranks[stage], pp_group, buffer)) is not None:
+                yield received
 
 
 def export_hf_weights(models, model_cfg: ModelConfig, bucket_bytes: int = DEFAULT_BUCKET_BYTES, *,
@@ -164,32 +320,9 @@ def export_hf_weights(models, model_cfg: ModelConfig, bucket_bytes: int = DEFAUL
                       ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, full tensor)`` for the whole model on every rank (collective: all ranks iterate).
 
-    Groups default to Megatron's parallel state. Memory per rank: one bucket (``bucket_bytes``, or one
-    tensor if larger) plus one gathered tensor.
+    The tensors are views of the current packed bucket (`export_hf_buckets`): copy one to keep it past
+    the next bucket. Memory per rank: about one bucket plus the largest tensor twice.
     """
-    from megatron.core import parallel_state
-
-    tp_group = tp_group if tp_group is not None else parallel_state.get_tensor_model_parallel_group()
-    pp_group = pp_group if pp_group is not None else parallel_state.get_pipeline_model_parallel_group()
-    tp_size = torch.distributed.get_world_size(tp_group)
-    pp_size = torch.distributed.get_world_size(pp_group)
-    pp_rank = torch.distributed.get_rank(pp_group)
-    pp_ranks = torch.distributed.get_process_group_ranks(pp_group)
-    for stage in range(pp_size):
-        if pp_size == 1:
-            yield from _stage_hf_tensors(models, model_cfg, stage, pp_size, tp_group, tp_size, dtype)
-            continue
-        if stage == pp_rank:
-            bucket, size = [], 0
-            for name, tensor in _stage_hf_tensors(models, model_cfg, stage, pp_size, tp_group, tp_size, dtype):
-                bucket.append((name, tensor))
-                size += tensor.numel() * tensor.element_size()
-                if size >= bucket_bytes:
-                    yield from _broadcast_bucket(bucket, pp_ranks[stage], pp_group)
-                    bucket, size = [], 0
-            if bucket:
-                yield from _broadcast_bucket(bucket, pp_ranks[stage], pp_group)
-            _broadcast_bucket(None, pp_ranks[stage], pp_group)  # end of stage
-        else:
-            while (received := _broadcast_bucket(None, pp_ranks[stage], pp_group)) is not None:
-                yield from received
+    for _, named in export_hf_buckets(models, model_cfg, bucket_bytes, tp_group=tp_group, pp_group=pp_group,
+                                      dtype=dtype):
+        yield from named

@@ -17,8 +17,12 @@ Every call is collective over the whole group:
 - Metrics are averaged over the replicas' representatives. The worker already all-reduces the loss,
   clip fractions, token counts and grad norm over DP, so those are global values; what stays local
   (padding fraction, tokens/s) becomes the replica mean.
-- ``save``/``load`` return rank 0's answer; ``export_weights`` returns rank 0's buckets (the others
-  take part in the TP gathers / PP broadcasts and return nothing).
+- ``save``/``load`` return rank 0's answer.
+- ``sync_weights(engines)``: the weights go from the actor ranks straight into the engines; this object
+  only coordinates (``megatron_arpo.rollout.weight_sync``): it opens the transfer once, then per sync
+  starts the engines' update, lets every rank stream its share (each pipeline stage's sender its own
+  layers), finishes the update (the engines check the load) and drops the prefix caches. No weight
+  byte passes through the driver; the report counts what did (``driver_bytes``, ``driver_weight_bytes``).
 - ``offload_state``/``onload_state`` (colocated ``actor.offload``): every rank's grad buffers and
   optimizer state leave the GPU and come back; returns the slowest rank's seconds and the largest rank's
   bytes.
@@ -30,6 +34,7 @@ Each call waits at most the matching ``trainer.timeouts`` value; a failing or de
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Mapping, Optional, Sequence
 
 from megatron_arpo.actor import packing
@@ -38,6 +43,7 @@ from megatron_arpo.cluster.worker_group import WorkerGroup
 logger = logging.getLogger(__name__)
 
 LAYOUT_KEYS = ("dp_rank", "tp_rank", "pp_rank", "is_last_stage")
+VERIFY_FRACTION = 0.25  # rollout.verify_sync: share of tensor names checksummed per sync (deterministic per sync)
 
 
 def mean_metrics(metrics: Sequence[Mapping[str, float]]) -> dict[str, float]:
@@ -86,6 +92,7 @@ class ActorGroup:
                              f"actor.pipeline_parallel = {self.tp * self.pp}")
         self.dp = self.world_size // (self.tp * self.pp)
         self.timeouts = cfg.trainer.timeouts
+        self._sync = None
         if worker_cls is None:
             from megatron_arpo.actor.worker import MegatronActorWorker as worker_cls
         on_gpu = cfg.launcher.gpus_per_node > 0
@@ -187,13 +194,108 @@ class ActorGroup:
         return self.workers.call_all("load", str(path),
                                      timeout=self.timeouts.save_s if timeout is None else timeout)[0]
 
-    def export_weights(self, bucket_bytes: Optional[int] = None, timeout: Optional[float] = None) -> list[list]:
-        """HF-named full tensors in buckets, from rank 0 (every rank takes part in the gathers)."""
-        if bucket_bytes is None:
-            bucket_bytes = self.cfg.rollout.sync_bucket_mb * 2**20
-        results = self.workers.call_all("export_weights", bucket_bytes,
-                                        timeout=self.timeouts.sync_s if timeout is None else timeout)
-        return results[0]
+    def sync_weights(self, engines: Any, *, verify: Optional[bool] = None, timeout: Optional[float] = None) -> dict:
+        """Send the current weights into ``engines`` (a RolloutGroup, actor handles or EngineRefs); the report.
+
+        ``verify`` (default ``rollout.verify_sync``) checksums a sample of the tensors on both sides. Raises
+        `WeightSyncError` (one line naming the engine) when an engine dies or fails, or a check fails.
+        """
+        from megatron_arpo.rollout import weight_sync as ws
+
+        r = self.cfg.rollout
+        timeout = self.timeouts.sync_s if timeout is None else timeout
+        refs = ws.engine_refs(engines)
+        if self._sync is None or [e.target for e in self._sync.engines] != [e.target for e in refs]:
+            self._open_sync(refs, timeout)
+        verify = r.verify_sync if verify is None else verify
+        sync_id = ws.next_sync_id()
+        start = time.perf_counter()
+        ws.call_engines(refs, "start_weight_update", timeout=timeout)
+        args = (sync_id, int(r.sync_bucket_mb * 2**20), VERIFY_FRACTION if verify else 0.0)
+        senders = self._call_senders("send_weights", *args, timeout=timeout)
+        engine_reports = ws.call_engines(refs, "finish_weight_update", timeout=timeout)
+        ws.call_engines(refs, "reset_prefix_cache", timeout=timeout)
+        moved = [ws.payload_bytes(x) for x in ([args] * self.world_size + senders + engine_reports)]
+        report = ws.merge_reports(senders, engine_reports, sync_id, time.perf_counter() - start,
+                                  driver_bytes=sum(p for p, _ in moved))
+        report["driver_weight_bytes"] = sum(t for _, t in moved)
+        self._check_complete(report, engine_reports)
+        logger.info("weight sync %d (%s): %d tensors in %d buckets (%.1f MB) to %d engines in %.2f s; %d verified "
+                    "after load", sync_id, self._sync.transport, report["tensors"], report["buckets"],
+                    report["bytes"] / 2**20, len(refs), report["seconds"], len(report["verified_after_load"]))
+        return report
+
+    def _open_sync(self, refs: list, timeout: float) -> None:
+        """Form the transfer group: the stage senders' endpoints, the engines' rank offsets, both sides joining."""
+        from megatron_arpo.rollout import weight_sync as ws
+
+        self.close_sync()
+        transport = ws.choose_transport(self.cfg.rollout.sync_transport, self.cfg.launcher.gpus_per_node > 0,
+                                        self.cfg.trainer.placement)
+        infos = ws.call_engines(refs, "weight_transfer_info", timeout=timeout)
+        for ref, info in zip(refs, infos):
+            if info.get("transport") != transport:
+                raise ws.WeightSyncError(f"weight sync: engine {ref.index} was started for the "
+                                         f"{info.get('transport')!r} weight transport, the actor sends over "
+                                         f"{transport!r}; start the engines with weight_transfer={transport!r}")
+        offsets, world = ws.transfer_ranks([info["world_size"] for info in infos])
+        endpoints: list = [None] * self.pp
+        for reserved in self.workers.call_all("reserve_weight_sync", transport, timeout=timeout):
+            if reserved is not None:
+                endpoints[reserved[0]] = tuple(reserved[1])
+        session = ws.SyncSession(transport, refs, [i["world_size"] for i in infos], offsets, world, endpoints)
+        joining = [e.call("init_weight_transfer_engine", info) for e, info in zip(refs, session.init_infos(timeout))]
+        opening = self.workers.submit_all("open_weight_sync", refs, world, timeout, timeout=timeout)
+        ws.wait_engines(joining, refs, "init_weight_transfer_engine", timeout)
+        self._sender_result(opening)
+        self._sync = session
+        logger.info("weight sync open: %s, %d engine(s) of %s worker(s), group of %d, stage endpoints %s", transport,
+                    len(refs), session.world_sizes, world, endpoints)
+
+    def _call_senders(self, method: str, *args: Any, timeout: float) -> list:
+        return self._sender_result(self.workers.submit_all(method, *args, timeout=timeout))
+
+    @staticmethod
+    def _sender_result(pending: Any) -> list:
+        """A sender's WeightSyncError (e.g. an engine died mid-sync) surfaces as itself, in one line."""
+        from megatron_arpo.cluster.worker_group import WorkerGroupError
+        from megatron_arpo.rollout.weight_sync import WeightSyncError
+
+        try:
+            return pending.result()
+        except WorkerGroupError as exc:
+            cause = getattr(exc.__cause__, "cause", None)
+            if isinstance(cause, WeightSyncError):
+                raise WeightSyncError(str(cause).splitlines()[0]) from exc
+            raise
+
+    def _check_complete(self, report: dict, engine_reports: Sequence[dict]) -> None:
+        """Every HF tensor of the model was sent once, and every engine loaded all of them."""
+        from conversion.mapping import bind_table
+        from megatron_arpo.actor.sync_sender import TIED_HEAD_ALIASES
+        from megatron_arpo.config import resolved_model
+        from megatron_arpo.rollout.weight_sync import WeightSyncError
+
+        model_cfg = resolved_model(self.cfg)
+        expected = sum(len(rule.hf_outputs) for rule in bind_table(model_cfg))
+        expected += len(TIED_HEAD_ALIASES) if model_cfg.tie_word_embeddings else 0
+        if report["tensors"] != expected:
+            raise WeightSyncError(f"weight sync {report['sync_id']}: the actor sent {report['tensors']} tensors, the "
+                                  f"model has {expected}; the engines hold a partial update")
+        for info in engine_reports:
+            if info["loaded"] != expected or info["duplicates"]:
+                raise WeightSyncError(f"weight sync {report['sync_id']}: engine {info['engine_index']} loaded "
+                                      f"{info['loaded']} distinct tensors ({info['duplicates']} twice) of the "
+                                      f"{expected} sent")
+
+    def close_sync(self) -> None:
+        """Leave the transfer group (the engines keep theirs until the next open replaces it)."""
+        if self._sync is not None:
+            self._sync = None
+            try:
+                self.workers.call_all("close_weight_sync", timeout=60)
+            except Exception as exc:  # a broken group: shutdown kills it anyway
+                logger.debug("closing the weight sync: %s", exc)
 
     # -- colocated memory ----------------------------------------------------------------------------
 

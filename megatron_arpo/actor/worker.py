@@ -14,8 +14,11 @@ group (gloo on CPU, NCCL on GPU) unless one exists, builds Megatron's TP/PP/DP g
 - ``role="reference"``: same model, frozen, no DDP/optimizer (log-probs and export only).
 - ``update(batch)`` -> metrics (PPO over mini-batches x ``actor.ppo_epochs``); ``sft_step(batch)`` -> metrics.
 - ``save(dir, extra_state, step=None)``, ``load(dir)`` -> extra state (see ``megatron_arpo.actor.checkpoint``).
-- ``export_weights(bucket_bytes)`` -> list of buckets of ``(hf_name, full tensor)`` on global rank 0
-  (``[]`` elsewhere); every rank of DP replica 0 must call it (TP gather / PP broadcast inside).
+- ``reserve_weight_sync`` / ``open_weight_sync`` / ``send_weights(sync_id, ...)`` /
+  ``close_weight_sync``: this rank's part of the weight sync to the rollout engines (each pipeline
+  stage's sender streams its layers; ``megatron_arpo.actor.sync_sender``).
+- ``iter_weight_buckets(bucket_bytes)``: the whole model's HF tensors, bucket by bucket, on every rank
+  of a DP replica (HF checkpoint export).
 - ``offload_state()`` / ``onload_state()`` (policy): grad buffers freed and optimizer state moved to the
   host between updates, and back (``megatron_arpo.actor.offload``; colocated ``actor.offload``). An
   update refuses to run offloaded; a save or load onloads for its duration.
@@ -492,38 +495,41 @@ class MegatronActorWorker:
     def iter_weight_buckets(self, bucket_bytes: int = DEFAULT_EXPORT_BUCKET_BYTES) -> Iterator[list]:
         """Buckets of ``(hf_name, full tensor)`` (collective over this DP replica's TP x PP ranks).
 
-        Nothing is cached between calls: names, shapes and the PP broadcast metadata are rebuilt each time.
-        Tensors may alias live parameters (TP=1); copy them before the next update if they must persist.
+        The tensors are views of one packed buffer per bucket (``conversion.live.export_hf_buckets``), valid
+        until the next bucket. Nothing is cached between calls.
         """
-        from conversion.live import export_hf_weights
+        from conversion.live import export_hf_buckets
 
-        bucket, size = [], 0
-        for name, tensor in export_hf_weights(self.model, self.model_cfg, bucket_bytes):
-            bucket.append((name, tensor))
-            size += tensor.numel() * tensor.element_size()
-            if size >= bucket_bytes:
-                yield bucket
-                bucket, size = [], 0
-        if bucket:
-            yield bucket
+        for _, named in export_hf_buckets(self.model, self.model_cfg, bucket_bytes):
+            yield named
 
-    def export_weights(self, bucket_bytes: int = DEFAULT_EXPORT_BUCKET_BYTES) -> list[list]:
-        """All HF tensors as a host snapshot (copies), bucketed, on global rank 0; ``[]`` on the other ranks.
-
-        They leave the worker (Ray's object store, the driver): host tensors, copied off the device.
-        """
+    # --------------------------------------------------------------------------------- weight sync
+    # The driver (ActorGroup.sync_weights) calls these on every rank; see megatron_arpo.actor.sync_sender.
+    def reserve_weight_sync(self, transport: str):
         self._compat()
         self._require()
-        if self.dp_rank != 0:
-            return []
-        owner = self.tp_rank == 0 and self.pp_rank == 0
-        live = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
-        buckets = []
-        for bucket in self.iter_weight_buckets(bucket_bytes):
-            if owner:
-                host = [(n, t.detach().cpu()) for n, t in bucket]  # a copy on GPU, the same tensor on CPU
-                buckets.append([(n, t.clone() if t.untyped_storage().data_ptr() in live else t) for n, t in host])
-        return buckets
+        return self._sync_state().reserve(transport)
+
+    def open_weight_sync(self, engines, world_size: int, timeout_s: float) -> None:
+        self._compat()
+        self._sync_state().open(engines, world_size, timeout_s)
+
+    def send_weights(self, sync_id: int, bucket_bytes: int, verify_fraction: float = 0.0) -> dict:
+        """This rank's part of one weight sync: a stage sender's report, ``{}`` on the other ranks."""
+        self._compat()
+        self._require()
+        return self._sync_state().send(sync_id, bucket_bytes, verify_fraction)
+
+    def close_weight_sync(self) -> None:
+        if getattr(self, "_sync", None) is not None:
+            self._sync.close()
+
+    def _sync_state(self):
+        from megatron_arpo.actor.sync_sender import ActorSync
+
+        if getattr(self, "_sync", None) is None:
+            self._sync = ActorSync(self)
+        return self._sync
 
     def write_hf_checkpoint(self, out_dir) -> None:
         """Write an HF checkpoint (safetensors, config, tokenizer) of the current weights; collective."""
@@ -534,6 +540,7 @@ class MegatronActorWorker:
     def shutdown(self) -> None:
         from megatron.core import parallel_state
 
+        self.close_weight_sync()
         self.model = self.ddp_model = self.chunk = self.optimizer = self.scheduler = self.offloader = None
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()

@@ -16,9 +16,12 @@ All calls into vLLM run on one dedicated thread (``_engine_thread``): ``LLMEngin
 duration of a forward pass and vLLM's in-process engine is not thread-safe, so steps, weight loads,
 cache resets and metric reads are serialised there while the event loop stays free for tool calls.
 
-Weights: ``load_weight_bucket(handle)`` receives one bucket through the transport named in the handle
-(megatron_arpo.rollout.weight_sync) and loads it with vLLM's in-place ``reload_weights``;
-``reset_prefix_cache()`` must follow a full sync.
+Weights arrive through vLLM's weight-transfer API (megatron_arpo.rollout.weight_sync: the actor ranks
+send, the engines receive, the driver coordinates): ``init_weight_transfer_engine`` once, then per sync
+``start_weight_update``, one ``update_weights`` per bucket (called by the sending actor rank),
+``finish_weight_update`` (returns the workers' load reports) and ``reset_prefix_cache``. The workers'
+receiver is the backend named by ``EngineConfig.weight_transfer`` (megatron_arpo.rollout.weight_receiver).
+Between start and finish the model is a mix of old and new weights: ``generate`` refuses to run then.
 
 Sleep (colocated placement, ``megatron_arpo.trainer.phases``): ``sleep(level)`` releases the KV cache and
 the weights (level 1 to host memory, level 2 dropped); ``wake_up(["weights"])`` before a sync,
@@ -26,8 +29,10 @@ the weights (level 1 to host memory, level 2 dropped); ``wake_up(["weights"])`` 
 weights sleep. vLLM's sleep mode needs CUDA (``enable_sleep_mode``); on CPU the same calls pause and
 resume vLLM's scheduler and track the tags (the worker's sleep is a no-op), so the order runs in tests.
 
-On GPU the same class runs vLLM with ``tensor_parallel_size`` from the config; only the weight transport
-differs.
+Tensor parallelism: ``tensor_parallel_size`` workers per engine. On CPU they run under vLLM's ``mp``
+executor; on GPU under its ``ray`` executor, on the bundles of this engine's placement group
+(``VLLM_RAY_BUNDLE_INDICES``, ``VLLM_RAY_PER_WORKER_GPUS``; see ``create_engine_actor``), and the engine
+actor itself then takes no GPU.
 
 Stop handling: callers pass the tool closing tags as stop strings (``stop``) and the EOS ids as
 ``stop_token_ids``. Stop strings need vLLM's detokenizer, so the engine loads the checkpoint's tokenizer
@@ -53,10 +58,8 @@ from typing import Any, Optional, Sequence
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "EngineConfig", "SegmentOutput", "SegmentRequest", "VllmEngine", "create_engine_actor", "engine_env",
-    "tensor_checksum",
-]
+__all__ = ["EngineConfig", "SegmentOutput", "SegmentRequest", "VllmEngine", "create_engine_actor", "engine_env",
+           "executor_backend"]
 
 
 MAX_ALLOWED_TOKEN_IDS = 1024  # vllm/v1/worker/gpu/sample/logit_bias.py refuses more (vLLM 0.32)
@@ -125,6 +128,7 @@ class EngineConfig:
     # vLLM's sleep mode (CUDA only: its CPU platform refuses the flag). Without it a CPU engine still
     # runs sleep/wake_up, which pause the scheduler and track the sleeping tags while freeing nothing.
     enable_sleep_mode: bool = False
+    weight_transfer: Optional[str] = None   # gloo | nccl | ipc (weight_sync.TRANSPORTS); None: no weight sync
     extra: dict[str, Any] = field(default_factory=dict)    # any other vllm.LLM keyword
 
     @classmethod
@@ -160,44 +164,12 @@ def engine_env(cfg: EngineConfig, on_cpu: bool = True) -> dict[str, str]:
     return env
 
 
-def tensor_checksum(tensor: Any) -> dict[str, Any]:
-    """float64 sum and SHA-256 of the raw bytes of a tensor (moved to CPU, made contiguous)."""
-    import hashlib
-
-    import torch
-
-    t = tensor.detach().to("cpu").contiguous()
-    raw = t.view(torch.uint8) if t.dtype != torch.bool else t.to(torch.uint8)
-    return {
-        "sum": float(t.to(torch.float64).sum().item()),
-        "sha256": hashlib.sha256(raw.numpy().tobytes()).hexdigest(),
-        "shape": list(t.shape),
-        "dtype": str(t.dtype).replace("torch.", ""),
-    }
-
-
-def _worker_param_checksums(worker: Any, expected_shapes: dict[str, list[int]]) -> dict[str, Optional[dict]]:
-    """Runs inside a vLLM worker: checksums of the named parameters that map 1:1 to HF tensors.
-
-    A parameter is checkable when its name equals the HF name and its shape equals the HF shape, or
-    only its first dimension is larger (vocabulary padding; the padding rows are skipped). Fused
-    (qkv_proj, gate_up_proj) and tensor-parallel-sharded parameters give None.
-    """
-    model = worker.model_runner.get_model()
-    params = dict(model.named_parameters())
-    out: dict[str, Optional[dict]] = {}
-    for name, shape in expected_shapes.items():
-        p = params.get(name)
-        if p is None:
-            out[name] = None
-            continue
-        if list(p.shape) == list(shape):
-            out[name] = tensor_checksum(p)
-        elif p.dim() == len(shape) and list(p.shape[1:]) == list(shape[1:]) and p.shape[0] >= shape[0]:
-            out[name] = tensor_checksum(p[: shape[0]])
-        else:
-            out[name] = None
-    return out
+def executor_backend(tensor_parallel_size: int, on_gpu: bool) -> Optional[str]:
+    """vLLM's ``distributed_executor_backend``: one worker in-process; several under ``ray`` on GPU (on the
+    engine's own placement-group bundles), under ``mp`` on CPU (vLLM's CPU platform refuses ``ray``)."""
+    if tensor_parallel_size <= 1:
+        return None
+    return "ray" if on_gpu else "mp"
 
 
 _REQUEST_COUNTER = itertools.count()
@@ -264,6 +236,17 @@ class VllmEngine:
         elif cfg.enable_sleep_mode:
             logger.info("engine %d: vLLM's sleep mode is CUDA-only; on CPU sleep/wake_up pause and resume the "
                         "scheduler and free no memory", engine_index)
+        backend = executor_backend(cfg.tensor_parallel_size, _cuda_available())
+        if backend is not None:
+            kwargs["distributed_executor_backend"] = backend
+        if cfg.weight_transfer is not None:
+            from megatron_arpo.rollout.vllm_plugin import register_weight_transfer_engines
+            from megatron_arpo.rollout.weight_sync import BACKENDS
+
+            if cfg.weight_transfer not in BACKENDS:
+                raise ValueError(f"weight_transfer={cfg.weight_transfer!r}; allowed: {sorted(BACKENDS)}")
+            register_weight_transfer_engines()  # the in-process worker; the plugin entry point covers the others
+            kwargs["weight_transfer_config"] = {"backend": BACKENDS[cfg.weight_transfer]}
         kwargs.update(cfg.extra)
         start = time.monotonic()
         self._llm = LLM(**kwargs)
@@ -281,6 +264,7 @@ class VllmEngine:
         self._loop_task: Optional[asyncio.Task] = None
         self._error: Optional[BaseException] = None
         self._asleep: set[str] = set()   # vLLM memory tags released by sleep() and not yet woken
+        self._updating: Optional[str] = None   # set between start_weight_update and a finished update
         self._stats = {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0,
                        "steps": 0, "max_in_flight": 0}
 
@@ -292,6 +276,9 @@ class VllmEngine:
             raise RuntimeError(f"engine {self.engine_index} is asleep ({', '.join(sorted(self._asleep))} released): "
                                f"request {request.request_id} needs it awake; the trainer wakes the engines before a "
                                f"rollout (megatron_arpo.trainer.phases)")
+        if self._updating is not None:
+            raise RuntimeError(f"engine {self.engine_index} holds a partial weight update ({self._updating}): its "
+                               "weights are a mix of two versions; finish a weight sync before generating")
         if request.max_tokens < 1:
             raise ValueError(f"request {request.request_id}: max_tokens={request.max_tokens} must be >= 1")
         if request.stop and self.cfg.skip_tokenizer_init:
@@ -468,39 +455,50 @@ class VllmEngine:
         return bool(awake)
 
     # ------------------------------------------------------------------ weights and caches
-    async def update_weights(self, named_tensors: Sequence[tuple[str, Any]]) -> int:
-        """Load HF-named tensors in place (no prefix-cache reset; call reset_prefix_cache after a sync)."""
+    async def weight_transfer_info(self) -> dict[str, Any]:
+        """What the driver needs to form the transfer group: this engine's number of workers."""
+        config = self._engine.vllm_config.parallel_config
+        return {"engine_index": self.engine_index, "world_size": int(config.world_size),
+                "transport": self.cfg.weight_transfer}
+
+    async def init_weight_transfer_engine(self, init_info: dict) -> None:
+        """Join the senders' transfer group(s); blocks until the senders join too."""
+        self._require_idle("init_weight_transfer_engine")
+        self._require_weights("init_weight_transfer_engine")
+        await self._on_engine_thread(lambda: self._llm.init_weight_transfer_engine({"init_info": init_info}))
+
+    async def start_weight_update(self) -> None:
+        self._require_idle("start_weight_update")
+        self._require_weights("start_weight_update")
+        self._updating = "started, not finished"
+        await self._on_engine_thread(self._llm.start_weight_update)
+
+    async def update_weights(self, update_info: dict) -> int:
+        """One bucket, received from the sender and loaded in place by every worker."""
         self._require_idle("update_weights")
         self._require_weights("update_weights")
-        tensors = list(named_tensors)
-        await self._on_engine_thread(
-            lambda: self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors}))
-        return len(tensors)
+        if self._updating is None:
+            raise RuntimeError(f"engine {self.engine_index}: update_weights outside a weight update; call "
+                               "start_weight_update first")
+        self._updating = f"bucket {update_info.get('bucket')} of stage {update_info.get('stage')} in progress"
+        await self._on_engine_thread(lambda: self._llm.update_weights({"update_info": update_info}))
+        self._updating = f"loaded up to bucket {update_info.get('bucket')} of stage {update_info.get('stage')}"
+        return len(update_info.get("names", ()))
 
-    async def load_weight_bucket(self, handle: Any) -> dict[str, dict]:
-        """Receive one bucket through its transport, load it; returns checksums of the sampled names."""
-        from megatron_arpo.rollout.weight_sync import receive_bucket
+    async def finish_weight_update(self) -> dict[str, Any]:
+        """Finish the layerwise reload and check the verify sample; the workers' reports merged.
 
-        self._require_idle("load_weight_bucket")
-        self._require_weights("load_weight_bucket")
-        return await receive_bucket(self, handle)
+        ``loaded``: distinct tensors every worker loaded; ``verified``: names checked after the load on every
+        worker that holds them whole (a name sharded across TP workers is checked by none).
+        """
+        from megatron_arpo.rollout.weight_receiver import worker_sync_report
 
-    async def receive_in_workers(self, handle: Any) -> dict[str, Any]:
-        """GPU transports: every vLLM worker receives and loads its copy of the bucket (rank 0 reports)."""
-        from megatron_arpo.rollout import weight_sync
-
-        self._require_idle("receive_in_workers")
-        self._require_weights("receive_in_workers")
-        fn = {"cuda_ipc": weight_sync.worker_receive_cuda_ipc, "nccl": weight_sync.worker_receive_nccl}[handle.kind]
-        results = await self._on_engine_thread(lambda: self._llm.collective_rpc(fn, args=(handle,)))
-        return results[0]
-
-    async def join_weight_group(self, host: str, port: int, world_size: int, rank_offset: int) -> list[int]:
-        """NCCL transport: this engine's workers join the actor's weight-broadcast group."""
-        from megatron_arpo.rollout import weight_sync
-
-        return await self._on_engine_thread(lambda: self._llm.collective_rpc(
-            weight_sync.worker_join_nccl, args=(host, port, world_size, rank_offset)))
+        await self._on_engine_thread(self._llm.finish_weight_update)
+        reports = await self._on_engine_thread(lambda: self._llm.collective_rpc(worker_sync_report))
+        self._updating = None
+        return {"engine_index": self.engine_index, "workers": len(reports),
+                "loaded": min(r["loaded"] for r in reports), "duplicates": max(r["duplicates"] for r in reports),
+                "verified": sorted({n for r in reports for n in r["verified"]})}
 
     async def reset_prefix_cache(self) -> bool:
         return bool(await self._on_engine_thread(self._llm.reset_prefix_cache))
@@ -515,13 +513,15 @@ class VllmEngine:
         return out
 
     async def checksum(self, expected_shapes: dict[str, list[int]]) -> dict[str, Optional[dict]]:
-        """Checksums of engine parameters by HF name (None where not 1:1, e.g. fused qkv); for verify_sync.
+        """Checksums of engine parameters by HF name (None where not 1:1, e.g. fused qkv).
 
         With tensor parallelism every worker answers for its shard; only names every worker holds
         whole are reported (others None).
         """
+        from megatron_arpo.rollout.weight_receiver import worker_param_checksums
+
         per_worker = await self._on_engine_thread(
-            lambda: self._llm.collective_rpc(_worker_param_checksums, args=(dict(expected_shapes),)))
+            lambda: self._llm.collective_rpc(worker_param_checksums, args=(dict(expected_shapes),)))
         merged = dict(per_worker[0])
         for other in per_worker[1:]:
             for name, value in other.items():
@@ -554,6 +554,28 @@ def _cuda_available() -> bool:
         return False
 
 
+def engine_actor_options(cfg: EngineConfig, *, on_gpu: bool, num_cpus: float = 1, gpu_share: float = 1.0,
+                         bundle_indices: Sequence[int] = ()) -> tuple[dict[str, Any], dict[str, str]]:
+    """Ray resources and env vars of an engine actor: ``({"num_cpus", "num_gpus"}, env)``.
+
+    GPU, one worker: the actor holds the worker, so it takes ``gpu_share`` of its bundle's GPU (a fraction
+    when colocated with an actor rank). GPU, ``tensor_parallel_size`` > 1: vLLM's ``ray`` executor starts
+    one worker per bundle of ``bundle_indices`` (``VLLM_RAY_BUNDLE_INDICES``) with ``gpu_share`` each
+    (``VLLM_RAY_PER_WORKER_GPUS``), in the placement group the actor runs in; the actor itself takes no
+    GPU. CPU: no GPUs; several workers run under the ``mp`` executor.
+    """
+    env = engine_env(cfg, on_cpu=not on_gpu)
+    num_gpus = gpu_share if on_gpu else 0.0
+    if executor_backend(cfg.tensor_parallel_size, on_gpu) == "ray":
+        if len(bundle_indices) != cfg.tensor_parallel_size:
+            raise ValueError(f"an engine with tensor_parallel_size {cfg.tensor_parallel_size} needs as many "
+                             f"placement-group bundles, got {list(bundle_indices)}")
+        env["VLLM_RAY_BUNDLE_INDICES"] = ",".join(str(b) for b in bundle_indices)
+        env["VLLM_RAY_PER_WORKER_GPUS"] = f"{gpu_share:g}"
+        num_gpus = 0.0
+    return {"num_cpus": num_cpus, "num_gpus": num_gpus}, env
+
+
 def create_engine_actor(
     cfg: EngineConfig,
     engine_index: int = 0,
@@ -562,24 +584,27 @@ def create_engine_actor(
     num_gpus: float = 0,
     placement_group: Any = None,
     bundle_index: int = -1,
+    bundle_indices: Sequence[int] = (),
     env: Optional[dict[str, str]] = None,
     name: Optional[str] = None,
     max_concurrency: int = 1000,
 ) -> Any:
     """Start a `VllmEngine` as a Ray async actor; returns the actor handle.
 
-    ``env`` adds to ``engine_env(cfg)`` (VLLM_CPU_KVCACHE_SPACE etc.) in the actor's runtime_env. With a
-    ``placement_group`` the actor is pinned to ``bundle_index``. ``max_concurrency`` bounds the number of
-    concurrently running coroutines (= requests in flight) in the actor.
+    ``num_gpus`` is the GPU share of each of the engine's workers (0 on CPU); `engine_actor_options`
+    turns it into the actor's resources and vLLM's executor settings. ``env`` adds to ``engine_env(cfg)``
+    (VLLM_CPU_KVCACHE_SPACE etc.) in the actor's runtime_env. With a ``placement_group`` the actor is
+    pinned to ``bundle_index`` (the first of ``bundle_indices``), and child tasks (vLLM's ``ray`` workers)
+    stay in the group. ``max_concurrency`` bounds the number of concurrently running coroutines
+    (= requests in flight) in the actor.
     """
     import ray
 
-    env_vars = engine_env(cfg, on_cpu=num_gpus == 0)
+    resources, env_vars = engine_actor_options(cfg, on_gpu=num_gpus > 0, num_cpus=num_cpus, gpu_share=num_gpus,
+                                               bundle_indices=bundle_indices or ([bundle_index] if bundle_index >= 0
+                                                                                 else []))
     env_vars.update(env or {})
-    options: dict[str, Any] = dict(
-        num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=max_concurrency,
-        runtime_env={"env_vars": env_vars},
-    )
+    options: dict[str, Any] = dict(**resources, max_concurrency=max_concurrency, runtime_env={"env_vars": env_vars})
     if name is not None:
         options["name"] = name
     if placement_group is not None:

@@ -11,7 +11,10 @@ the string, as vLLM's detokenizer does) or ``max_tokens``, and returns the log-p
 what the entropy sees). ``tokenizer`` decodes for the stop strings (default: a `CharCodec`).
 
 It also simulates a block prefix cache (``num_cached_tokens`` per request, hit counters) and keeps a
-dict of HF-named "weights" so the weight-sync code can be exercised without vLLM. ``latency_s`` (a number
+dict of HF-named "weights" that the weight sync fills through the real receiver: the engine speaks the
+same four weight-transfer phases as `VllmEngine`, with this project's gloo receiver
+(``weight_receiver.GlooWeightTransferEngine``) loading into the dict instead of a vLLM model, so the
+sender, the transport and the verify checks run for real without vLLM. ``latency_s`` (a number
 or a function of the request) plus ``per_token_latency_s`` per emitted token is awaited per request,
 so concurrent requests overlap as in a continuously batched engine.
 """
@@ -24,7 +27,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
-from megatron_arpo.rollout.engine import SegmentOutput, SegmentRequest, tensor_checksum
+from megatron_arpo.rollout.engine import SegmentOutput, SegmentRequest
 
 logger = logging.getLogger(__name__)
 
@@ -231,17 +234,34 @@ class ScriptedEngine:
         self._blocks.update(self._block_hashes(tokens))
 
     # ------------------------------------------------------------------ weights and caches
-    async def update_weights(self, named_tensors: Sequence[tuple[str, Any]]) -> int:
-        tensors = list(named_tensors)
-        for name, tensor in tensors:
-            self.weights[name] = tensor.detach().clone()
+    def _store(self, name: str, tensor: Any) -> None:
+        """Where a received tensor lands (tests override it to model a broken load)."""
+        self.weights[name] = tensor.detach().clone()
+
+    async def _off_loop(self, fn, *args):
+        # The receiver blocks in its gloo broadcast until the sender sends: keep the event loop free.
+        return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+    async def weight_transfer_info(self) -> dict[str, Any]:
+        return {"engine_index": self.engine_index, "world_size": 1, "transport": "gloo"}
+
+    async def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self._receiver = _dict_receiver(self)
+        await self._off_loop(self._receiver.init_transfer_engine, self._receiver.parse_init_info(init_info))
+
+    async def start_weight_update(self) -> None:
+        self._receiver.start_weight_update()
+
+    async def update_weights(self, update_info: dict) -> int:
+        info = self._receiver.parse_update_info(update_info)
+        await self._off_loop(self._receiver.receive_weights, info)
         self._stats["weight_updates"] += 1
-        return len(tensors)
+        return len(info.names)
 
-    async def load_weight_bucket(self, handle: Any) -> dict[str, dict]:
-        from megatron_arpo.rollout.weight_sync import receive_bucket
-
-        return await receive_bucket(self, handle)
+    async def finish_weight_update(self) -> dict[str, Any]:
+        report = dict(self._receiver._end())
+        return {"engine_index": self.engine_index, "workers": 1, "loaded": report["loaded"],
+                "duplicates": report["duplicates"], "verified": report["verified"]}
 
     async def reset_prefix_cache(self) -> bool:
         self._blocks.clear()
@@ -253,19 +273,40 @@ class ScriptedEngine:
         out["prefix_cache_hits"] = float(self._stats["hits"])
         return out
 
-    async def checksum(self, expected_shapes: dict[str, list[int]]) -> dict[str, Optional[dict]]:
-        out: dict[str, Optional[dict]] = {}
-        for name, shape in expected_shapes.items():
-            t = self.weights.get(name)
-            out[name] = None if t is None or list(t.shape) != list(shape) else tensor_checksum(t)
-        return out
-
     async def health(self) -> dict[str, Any]:
         return {"engine_index": self.engine_index, "ok": True, "error": None,
                 "in_flight": self._in_flight, "max_model_len": self.max_model_len}
 
     async def shutdown(self) -> None:
         return None
+
+
+def _dict_receiver(engine: "ScriptedEngine") -> Any:
+    """The gloo receiver over the engine's weight dict (no vLLM model, no layerwise reload)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from megatron_arpo.rollout.weight_receiver import GlooWeightTransferEngine
+
+    class DictModel:
+        def load_weights(self, weights):
+            for name, tensor in weights:
+                engine._store(name, tensor)
+
+        def named_parameters(self):
+            return iter(engine.weights.items())
+
+    class DictReceiver(GlooWeightTransferEngine):
+        def start_weight_update(self) -> None:
+            self._begin()
+
+        def finish_weight_update(self) -> None:
+            self._end()
+
+    config = SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_index=0, world_size=1, rank=0),
+                             model_config=SimpleNamespace(dtype=None))
+    return DictReceiver(SimpleNamespace(backend="arpo_gloo"), config, torch.device("cpu"), DictModel())
 
 
 def topk_table(token_ids: Sequence[int], probs: Sequence[float]) -> dict[int, float]:

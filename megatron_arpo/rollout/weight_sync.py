@@ -1,441 +1,418 @@
-"""Weight sync from the actor group to the rollout engines: buckets, transports, verification.
+"""Weight sync protocol: what both halves agree on, and the driver's coordination of one sync.
 
-The actor exports full HF-named tensors (megatron_arpo.actor, through the conversion tables); this module
-cuts them into buckets, moves each bucket to every engine through a `WeightTransport`, has the engine load
-it in place (vLLM ``reload_weights``) and finally drops every engine's prefix cache (cached KV blocks were
-computed with the old weights).
+The actor sends, the engine receives, the driver coordinates. No weight byte passes through the driver:
 
-One interface, three transports that share every piece of bucket, naming and verification logic and
-differ only in how bytes move:
+- **sender half** (``megatron_arpo.rollout.weight_sender``, run inside the actor ranks): each pipeline
+  stage's sender gathers its TP shards one bucket at a time, maps them through the conversion tables
+  into one packed buffer, sends it and frees it;
+- **receiver half** (``megatron_arpo.rollout.weight_receiver``, run inside the vLLM workers): vLLM
+  weight-transfer engines that receive a bucket and load it in place;
+- **driver** (this module, `ActorGroup.sync_weights`): opens the transfer once (`open_session`), then per
+  sync ``start_weight_update`` on every engine, the actor ranks stream their buckets (each sender calls
+  the engines' ``update_weights`` itself, with the bucket's metadata), ``finish_weight_update`` (the
+  engines check the load) and ``reset_prefix_cache``. The driver handles metadata only: endpoints,
+  rank offsets and reports.
 
-- `RayObjectStoreTransport` (CPU, any placement): ``ray.put`` of the bucket; the handle carries the
-  object ref; the engine awaits it and loads the tensors.
-- `CudaIpcTransport` (GPU, actor and engine colocated): CUDA IPC handles from
-  ``torch.multiprocessing.reductions.reduce_tensor``; each vLLM worker rebuilds the tensors of its own
-  GPU and loads them.
-- `NcclBroadcastTransport` (GPU, separate devices): a NCCL group between the actor's rank 0 and the
-  engine workers; the handle carries names/shapes/dtypes and the sender broadcasts after the receivers
-  posted their receives.
-`InlineTransport` hands the tensors over by reference (engine in the same process: tests, benchmarks).
+One protocol — vLLM 0.32's four weight-transfer phases (``init_weight_transfer_engine``,
+``start_weight_update``, ``update_weights``, ``finish_weight_update``) — and three transports, each a
+vLLM ``WeightTransferEngine`` registered under its own backend name (`BACKENDS`):
 
-Nothing about a transfer is cached across syncs: every sync builds new handles, object refs, IPC handles
-and metadata (the NCCL communicator itself is set up once).
+- ``nccl`` (separate GPU pools): vLLM's NCCL engine, one broadcast group per pipeline stage;
+- ``ipc`` (colocated GPUs): vLLM's IPC engine, a packed CUDA-IPC buffer per actor GPU;
+- ``gloo`` (CPU, every test): ours, the NCCL engine's structure over stateless gloo groups.
 
-``verify_sync``: a deterministic sample of names (per sync id) is checksummed by the sender (float64 sum
-and SHA-256 of the bytes, `tensor_checksum`); the sums travel in the handle. The engine checks the tensors
-it received against them (transport intact), then, after loading, checks its own parameters against the
-received tensors (load intact) where a parameter maps 1:1 to an HF tensor (not fused, not sharded; vocab
-padding rows are ignored). Any mismatch raises `WeightSyncError`, which stops training.
+A bucket travels packed: one flat ``uint8`` buffer holding its tensors back to back (`BucketLayout`),
+the layout vLLM's packed consumers unpack. Buckets never split a decoder layer (`layer_key`): on the
+vLLM CPU backend a fused module (q/k/v -> ``qkv_proj``, gate/up -> ``gate_up_proj``) reloads correctly
+only when all of its parts arrive in one reload call, and vLLM's layerwise reload holds a partly loaded
+layer's tensors until the rest arrives, so whole layers also bound the engine's buffering.
 
-The GPU transports cannot run on this project's machines; they import CUDA-only pieces lazily, so this
-module imports without CUDA.
+``verify_sync``: a deterministic sample of names per sync (`sample_names`) is checksummed by the sender
+(`tensor_checksum`: float64 sum and SHA-256 of the bytes); the sums ride the bucket's update info. Each
+engine worker checks the tensors it received (transport intact) and, after ``finish_weight_update``, its
+own parameters that map 1:1 to an HF tensor (load intact). A mismatch raises `WeightSyncError`, which
+stops training. An engine that dies mid-sync, or fails, fails the sync with one line naming it
+(`wait_engines`); an engine whose update did not finish refuses to generate (half a model is never used
+silently).
 """
 
 from __future__ import annotations
 
-import abc
-import asyncio
+import concurrent.futures
 import hashlib
 import itertools
 import logging
+import math
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Optional, Sequence
-
-from megatron_arpo.rollout.engine import tensor_checksum
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "BucketHandle", "CudaIpcTransport", "InlineTransport", "NcclBroadcastTransport", "RayObjectStoreTransport",
-    "WeightSyncError", "WeightTransport", "bucket_named_tensors", "make_transport", "receive_bucket", "sync_weights",
+    "BACKENDS", "choose_transport", "TRANSPORTS", "BucketLayout", "EngineRef", "SyncSession", "WeightSyncError", "bucket_named_tensors",
+    "engine_refs", "layer_key", "packed_chunks", "receiver_init_info", "sample_names", "tensor_checksum",
+    "transfer_ranks", "wait_engines",
 ]
 
+TRANSPORTS = ("gloo", "nccl", "ipc")
+# vLLM weight-transfer backend names (megatron_arpo.rollout.vllm_plugin registers them in every vLLM process).
+BACKENDS = {"gloo": "arpo_gloo", "nccl": "arpo_nccl", "ipc": "arpo_ipc"}
+# vLLM's packed NCCL consumer cuts a transfer into chunks of about this many bytes (its default); the sender
+# cuts the same chunks out of its packed bucket (`packed_chunks`).
+NCCL_PACKED_BUFFER_BYTES = 1024 * 1024 * 1024
 _SYNC_IDS = itertools.count()
-_RECEIVERS: dict[str, type] = {}
 
 
 class WeightSyncError(RuntimeError):
-    """The engines' weights do not match what the actor sent; training must stop."""
+    """The engines' weights do not match what the actor sent, or an engine failed mid-sync; training must stop."""
 
 
-@dataclass
-class BucketHandle:
-    kind: str
-    sync_id: int
-    bucket_index: int
-    names: list[str]
-    shapes: list[list[int]]
-    dtypes: list[str]
-    payload: Any = None
-    expected: dict[str, dict] = field(default_factory=dict)   # sender checksums of the verify sample
+def next_sync_id() -> int:
+    return next(_SYNC_IDS)
 
 
-_LAYER_RE = re.compile(r"^(.*?\.layers\.\d+)\.")
+def tensor_checksum(tensor: Any) -> dict[str, Any]:
+    """float64 sum and SHA-256 of the raw bytes of a tensor (moved to the host, made contiguous)."""
+    import torch
+
+    t = tensor.detach().to("cpu").contiguous()
+    raw = t.view(torch.uint8) if t.dtype != torch.bool else t.to(torch.uint8)
+    return {
+        "sum": float(t.to(torch.float64).sum().item()),
+        "sha256": hashlib.sha256(raw.numpy().tobytes()).hexdigest(),
+        "shape": list(t.shape),
+        "dtype": str(t.dtype).replace("torch.", ""),
+    }
 
 
-def _layer_key(name: str) -> str:
-    """``model.layers.3`` for every tensor of decoder layer 3; the name itself otherwise."""
-    match = _LAYER_RE.match(name)
-    return match.group(1) if match else name
-
-
-def bucket_named_tensors(named_tensors: Iterable[tuple[str, Any]], bucket_bytes: int) -> Iterator[list[tuple[str, Any]]]:
-    """Group tensors in order into buckets of about ``bucket_bytes``, never splitting a decoder layer.
-
-    vLLM reloads a fused module (q/k/v into ``qkv_proj``, gate/up into ``gate_up_proj``) correctly only
-    when all of its parts arrive in the same ``reload_weights`` call; a bucket boundary inside a layer
-    leaves that module with wrong weights. So a bucket closes only between layers: the tensors of one
-    layer (consecutive in export order) always travel together, and a layer larger than a bucket goes
-    alone.
-    """
-    if bucket_bytes < 1:
-        raise ValueError(f"bucket_bytes={bucket_bytes} must be >= 1 (rollout.sync_bucket_mb)")
-    bucket: list[tuple[str, Any]] = []
-    size = 0
-    unit: list[tuple[str, Any]] = []
-    unit_key: Optional[str] = None
-    unit_size = 0
-
-    def flush_unit() -> Iterator[list[tuple[str, Any]]]:
-        nonlocal bucket, size
-        if bucket and size + unit_size > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.extend(unit)
-        size += unit_size
-
-    for name, tensor in named_tensors:
-        key = _layer_key(name)
-        if unit and key != unit_key:
-            yield from flush_unit()
-            unit, unit_size = [], 0
-        unit_key = key
-        unit.append((name, tensor))
-        unit_size += tensor.numel() * tensor.element_size()
-    if unit:
-        yield from flush_unit()
-    if bucket:
-        yield bucket
-
-
-def _in_sample(name: str, sync_id: int, fraction: float) -> bool:
-    digest = hashlib.sha256(f"{sync_id}/{name}".encode()).digest()
-    return int.from_bytes(digest[:4], "little") < fraction * 2 ** 32
-
-
-class WeightTransport(abc.ABC):
-    """Sender side ``send``/``after_send``/``release``; receiver side the class method ``receive``."""
-
-    kind = ""
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        # Receivers are looked up by the handle's kind in the engine process; every transport with its
-        # own kind registers itself here.
-        super().__init_subclass__(**kwargs)
-        if "kind" in cls.__dict__ and cls.kind:
-            _RECEIVERS[cls.kind] = cls
-
-    def send(self, bucket: Sequence[tuple[str, Any]], sync_id: int, bucket_index: int,
-             verify_names: Sequence[str] = ()) -> BucketHandle:
-        names = [n for n, _ in bucket]
-        handle = BucketHandle(
-            kind=self.kind, sync_id=sync_id, bucket_index=bucket_index, names=names,
-            shapes=[list(t.shape) for _, t in bucket], dtypes=[str(t.dtype).replace("torch.", "") for _, t in bucket],
-            expected={n: tensor_checksum(t) for n, t in bucket if n in set(verify_names)},
-        )
-        handle.payload = self._pack(bucket)
-        return handle
-
-    @abc.abstractmethod
-    def _pack(self, bucket: Sequence[tuple[str, Any]]) -> Any:
-        """Transport payload for one bucket (fresh every call)."""
-
-    async def after_send(self, handle: BucketHandle) -> None:
-        """Runs concurrently with the engines' receive (NCCL broadcasts here)."""
-
-    def release(self, handle: BucketHandle) -> None:
-        handle.payload = None
-
-    @classmethod
-    async def receive(cls, engine: Any, handle: BucketHandle) -> list[tuple[str, Any]]:
-        """Materialise the bucket in the engine process (default: the payload is the tensors)."""
-        raise NotImplementedError(f"transport {cls.kind!r} loads inside the vLLM workers; see receive_bucket")
-
-    receives_in_workers = False
-
-
-class InlineTransport(WeightTransport):
-    kind = "inline"
-
-    def _pack(self, bucket):
-        return list(bucket)
-
-    @classmethod
-    async def receive(cls, engine, handle):
-        return list(handle.payload)
-
-
-class RayObjectStoreTransport(WeightTransport):
-    kind = "object_store"
-
-    def _pack(self, bucket):
-        import ray
-
-        return ray.put([(name, tensor.detach().to("cpu").contiguous()) for name, tensor in bucket])
-
-    @classmethod
-    async def receive(cls, engine, handle):
-        # The ref arrives nested in the handle, so Ray does not resolve it for us.
-        return list(await handle.payload)
-
-
-class CudaIpcTransport(WeightTransport):
-    """Colocated GPUs: per-device lists of (name, rebuild fn, args) from ``reduce_tensor``.
-
-    Every sender rank packs the tensors it holds on its GPU; `merge` combines the handles of all ranks
-    of one bucket, keyed by GPU UUID, so each engine worker rebuilds the copy that lives on its own GPU.
-    The sender must keep the tensors alive until every engine has loaded the bucket (``release``).
-    """
-
-    kind = "cuda_ipc"
-    receives_in_workers = True
-
-    def __init__(self) -> None:
-        self._alive: dict[tuple[int, int], list] = {}
-
-    def _pack(self, bucket):
-        import torch
-        from torch.multiprocessing.reductions import reduce_tensor
-
-        entries, keep = [], []
-        for name, tensor in bucket:
-            t = tensor.detach().contiguous()
-            if not t.is_cuda:
-                raise ValueError(f"cuda_ipc transport got {name} on {t.device}; use object_store for CPU tensors")
-            keep.append(t)
-            entries.append((name, reduce_tensor(t)))
-        uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
-        self._pending_keep = keep
-        return {uuid: entries}
-
-    def send(self, bucket, sync_id, bucket_index, verify_names=()):
-        handle = super().send(bucket, sync_id, bucket_index, verify_names)
-        self._alive[(sync_id, bucket_index)] = self._pending_keep
-        return handle
-
-    def release(self, handle):
-        self._alive.pop((handle.sync_id, handle.bucket_index), None)
-        handle.payload = None
-
-    @staticmethod
-    def merge(handles: Sequence[BucketHandle]) -> BucketHandle:
-        merged = handles[0]
-        for other in handles[1:]:
-            merged.payload.update(other.payload)
-        return merged
-
-
-class NcclBroadcastTransport(WeightTransport):
-    """Separate GPUs: actor rank 0 broadcasts each tensor to the engine workers over one NCCL group.
-
-    ``setup`` runs on actor rank 0 (rank 0 of the group); every engine worker joins with
-    `VllmEngine`'s collective RPC ``_worker_join_nccl`` (ranks 1..world-1). The handle only carries the
-    metadata; ``after_send`` broadcasts while the workers receive into freshly allocated tensors.
-    """
-
-    kind = "nccl"
-    receives_in_workers = True
-
-    def __init__(self) -> None:
-        self._comm = None
-        self._tensors: dict[tuple[int, int], list] = {}
-
-    def setup(self, host: str, port: int, world_size: int) -> None:
-        import torch
-        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
-        from vllm.distributed.utils import StatelessProcessGroup
-
-        group = StatelessProcessGroup.create(host=host, port=port, rank=0, world_size=world_size)
-        self._comm = PyNcclCommunicator(group, device=torch.cuda.current_device())
-
-    def _pack(self, bucket):
-        return None
-
-    def send(self, bucket, sync_id, bucket_index, verify_names=()):
-        if self._comm is None:
-            raise RuntimeError("NcclBroadcastTransport.setup() must run on actor rank 0 before the first sync")
-        handle = super().send(bucket, sync_id, bucket_index, verify_names)
-        self._tensors[(sync_id, bucket_index)] = [t.detach().contiguous() for _, t in bucket]
-        return handle
-
-    async def after_send(self, handle):
-        import torch
-
-        for tensor in self._tensors.pop((handle.sync_id, handle.bucket_index)):
-            self._comm.broadcast(tensor, src=0, stream=torch.cuda.current_stream())
-        torch.cuda.current_stream().synchronize()
-
-
-def make_transport(kind: str, on_gpu: bool, colocated: bool = True) -> WeightTransport:
-    """``rollout.sync_transport``: auto = object_store on CPU, cuda_ipc colocated / nccl separate on GPU."""
-    if kind == "auto":
-        kind = "object_store" if not on_gpu else ("cuda_ipc" if colocated else "nccl")
-    transports = {"object_store": RayObjectStoreTransport, "cuda_ipc": CudaIpcTransport,
-                  "nccl": NcclBroadcastTransport, "inline": InlineTransport}
-    if kind not in transports:
-        raise ValueError(f"rollout.sync_transport={kind!r}; allowed: auto, {', '.join(transports)}")
-    return transports[kind]()
-
-
-# ------------------------------------------------------------------------------------ receiver side
-def _compare(where: str, name: str, got: Optional[dict], want: dict) -> None:
-    if got is not None and (got["sha256"] != want["sha256"] or got["shape"] != want["shape"]):
+def compare_checksums(where: str, name: str, got: Mapping[str, Any], want: Mapping[str, Any]) -> None:
+    if got["sha256"] != want["sha256"] or list(got["shape"]) != list(want["shape"]):
         raise WeightSyncError(
             f"verify_sync: {name} differs {where}: sum {got['sum']!r} vs {want['sum']!r}, shape {got['shape']} vs "
             f"{want['shape']}, dtype {got['dtype']} vs {want['dtype']}; the engine would generate with wrong "
             "weights, so training stops. Check the export mapping and the transport.")
 
 
-def _check_received(handle: BucketHandle, tensors: Sequence[tuple[str, Any]]) -> dict[str, Any]:
-    """Names as announced, sampled tensors equal to the sender's; returns the sampled tensors."""
-    if [n for n, _ in tensors] != handle.names:
-        raise WeightSyncError(f"bucket {handle.bucket_index} of sync {handle.sync_id}: received names do not match "
-                              "the handle's; the transport mixed up buckets")
-    received = {n: t for n, t in tensors if n in handle.expected}
-    for name, tensor in received.items():
-        _compare("between the actor and the engine (transport)", name, tensor_checksum(tensor), handle.expected[name])
-    return received
+# ------------------------------------------------------------------------------------------ buckets
+_LAYER_RE = re.compile(r"^(.*?\.layers\.\d+)\.")
 
 
-def _check_loaded(received: dict[str, Any], loaded: dict[str, Optional[dict]]) -> list[str]:
-    """Engine parameters (1:1 ones) equal to the received tensors, in the parameter's dtype."""
-    import torch
-
-    verified = []
-    for name, tensor in received.items():
-        got = loaded.get(name)
-        if got is None:
-            continue  # fused or sharded in the engine: only the transport check applies
-        _compare("between the received tensor and the engine parameter (load)", name, got,
-                 tensor_checksum(tensor.to(getattr(torch, got["dtype"]))))
-        verified.append(name)
-    return verified
+def layer_key(name: str) -> str:
+    """``model.layers.3`` for every tensor of decoder layer 3; the name itself otherwise."""
+    match = _LAYER_RE.match(name)
+    return match.group(1) if match else name
 
 
-async def receive_bucket(engine: Any, handle: BucketHandle) -> dict[str, Any]:
-    """Engine side of one bucket: receive, check the sample against the sender, load, check the load.
+def plan_buckets(items: Sequence[tuple[str, int]], bucket_bytes: int) -> list[list[int]]:
+    """Indices of ``(name, nbytes)`` items grouped in order into buckets of about ``bucket_bytes``.
 
-    Returns ``{"loaded": n, "verified": [names compared after load]}``.
+    A bucket closes only between decoder layers (see the module docstring): the items of one layer
+    (consecutive, by `layer_key`) always go together, and a layer larger than a bucket goes alone.
     """
-    transport = _RECEIVERS.get(handle.kind)
-    if transport is None:
-        raise ValueError(f"unknown weight transport {handle.kind!r}; known: {sorted(_RECEIVERS)}")
-    if transport.receives_in_workers:
-        return await engine.receive_in_workers(handle)  # GPU engines: tensors never leave the workers
-    tensors = await transport.receive(engine, handle)
-    received = _check_received(handle, tensors)
-    await engine.update_weights(tensors)
-    verified = []
-    if received:
-        verified = _check_loaded(received, await engine.checksum({n: list(t.shape) for n, t in received.items()}))
-    return {"loaded": len(tensors), "verified": verified}
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes={bucket_bytes} must be >= 1 (rollout.sync_bucket_mb)")
+    units: list[tuple[list[int], int]] = []
+    for index, (name, nbytes) in enumerate(items):
+        key = layer_key(name)
+        if units and layer_key(items[units[-1][0][-1]][0]) == key:
+            units[-1][0].append(index)
+            units[-1] = (units[-1][0], units[-1][1] + nbytes)
+        else:
+            units.append(([index], nbytes))
+    buckets: list[list[int]] = []
+    size = 0
+    for indices, nbytes in units:
+        if buckets and buckets[-1] and size + nbytes <= bucket_bytes:
+            buckets[-1].extend(indices)
+            size += nbytes
+        else:
+            buckets.append(list(indices))
+            size = nbytes
+    return buckets
 
 
-# ------------------------------------------------------------------- inside vLLM workers (GPU transports)
-def _worker_load(worker: Any, handle: BucketHandle, tensors: list[tuple[str, Any]]) -> dict[str, Any]:
-    from megatron_arpo.rollout.engine import _worker_param_checksums
-
-    received = _check_received(handle, tensors)
-    worker.reload_weights(weights_iterator=tensors)
-    loaded = _worker_param_checksums(worker, {n: list(t.shape) for n, t in received.items()})
-    return {"loaded": len(tensors), "verified": _check_loaded(received, loaded)}
+def bucket_named_tensors(named_tensors: Iterable[tuple[str, Any]], bucket_bytes: int) -> Iterator[list[tuple[str, Any]]]:
+    """`plan_buckets` over materialised tensors (senders that already hold them: tests, benchmarks)."""
+    named = list(named_tensors)
+    for indices in plan_buckets([(n, t.numel() * t.element_size()) for n, t in named], bucket_bytes):
+        yield [named[i] for i in indices]
 
 
-def worker_receive_cuda_ipc(worker: Any, handle: BucketHandle) -> dict[str, Any]:
-    import torch
+@dataclass(frozen=True)
+class BucketLayout:
+    """Names, shapes, dtypes and byte sizes of the tensors packed back to back in one flat ``uint8`` buffer."""
 
-    device = torch.cuda.current_device()
-    entries = handle.payload.get(str(torch.cuda.get_device_properties(device).uuid))
-    if entries is None:
-        raise WeightSyncError("cuda_ipc: the actor sent no tensors for this engine worker's GPU; actor ranks and "
-                              "engine workers are not colocated, set rollout.sync_transport: nccl")
-    tensors = []
-    for name, (rebuild, args) in entries:
-        args = list(args)
-        args[6] = device  # storage device index: the sender's numbering may differ (CUDA_VISIBLE_DEVICES)
-        tensors.append((name, rebuild(*args)))
-    return _worker_load(worker, handle, tensors)
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    dtype_names: tuple[str, ...]
+
+    @property
+    def sizes(self) -> list[int]:
+        import torch
+
+        return [math.prod(shape) * getattr(torch, dt).itemsize for shape, dt in zip(self.shapes, self.dtype_names)]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.sizes)
+
+    @classmethod
+    def of(cls, named: Sequence[tuple[str, Any]]) -> "BucketLayout":
+        return cls(tuple(n for n, _ in named), tuple(tuple(t.shape) for _, t in named),
+                   tuple(str(t.dtype).replace("torch.", "") for _, t in named))
+
+    def views(self, flat: Any) -> list[tuple[str, Any]]:
+        """The named tensors as views of ``flat`` (no copy)."""
+        import torch
+
+        if flat.numel() != self.nbytes:
+            raise WeightSyncError(f"a packed bucket of {flat.numel()} bytes does not match its layout of {self.nbytes} "
+                                  f"bytes ({len(self.names)} tensors, first {self.names[:1]})")
+        out, pos = [], 0
+        for name, shape, dt, size in zip(self.names, self.shapes, self.dtype_names, self.sizes):
+            out.append((name, flat[pos:pos + size].view(getattr(torch, dt)).view(shape)))
+            pos += size
+        return out
+
+    def pack(self, named: Sequence[tuple[str, Any]], device: Any = None) -> Any:
+        """Copy ``named`` (in layout order) into a new flat buffer."""
+        import torch
+
+        flat = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
+        for (name, view), (_, tensor) in zip(self.views(flat), named):
+            view.copy_(tensor)
+        return flat
+
+    def update_fields(self) -> dict[str, Any]:
+        """The metadata fields vLLM's update infos carry (``names``, ``dtype_names``, ``shapes``)."""
+        return {"names": list(self.names), "dtype_names": list(self.dtype_names),
+                "shapes": [list(s) for s in self.shapes]}
 
 
-def worker_join_nccl(worker: Any, host: str, port: int, world_size: int, rank_offset: int) -> int:
-    import torch
-    from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
-    from vllm.distributed.utils import StatelessProcessGroup
+def packed_chunks(sizes: Sequence[int], buffer_bytes: int) -> list[tuple[int, int]]:
+    """Byte ranges ``[start, stop)`` of the chunks vLLM's packed NCCL consumer cuts a transfer into.
 
-    rank = rank_offset + worker.rank
-    group = StatelessProcessGroup.create(host=host, port=port, rank=rank, world_size=world_size)
-    worker.arpo_weight_comm = PyNcclCommunicator(group, device=torch.cuda.current_device())
-    return rank
-
-
-def worker_receive_nccl(worker: Any, handle: BucketHandle) -> dict[str, Any]:
-    import torch
-
-    comm = getattr(worker, "arpo_weight_comm", None)
-    if comm is None:
-        raise RuntimeError("nccl weight transport: the engine never joined the weight group; call "
-                           "VllmEngine.join_weight_group before the first sync")
-    tensors = []
-    for name, shape, dtype in zip(handle.names, handle.shapes, handle.dtypes):
-        tensor = torch.empty(shape, dtype=getattr(torch, dtype), device="cuda")
-        comm.broadcast(tensor, src=0, stream=torch.cuda.current_stream())
-        tensors.append((name, tensor))
-    torch.cuda.current_stream().synchronize()
-    return _worker_load(worker, handle, tensors)
-
-
-# ------------------------------------------------------------------------------------ driver side
-async def sync_weights(engines: Any, named_tensors: Iterable[tuple[str, Any]], transport: WeightTransport, *,
-                       bucket_mb: float = 512, verify: bool = False, verify_fraction: float = 0.25) -> dict[str, Any]:
-    """Send every tensor to every engine, bucket by bucket, then reset the engines' prefix caches.
-
-    ``engines``: a `RolloutGroup` or a list of engines/actor handles. With ``verify`` a deterministic
-    ``verify_fraction`` of the names (at least the first tensor) is checksummed on both sides.
-    Returns counters: tensors, buckets, bytes, seconds and the names verified after load.
+    vLLM 0.32 (``packed_tensor.pack_tensors`` / ``packed_nccl_broadcast_consumer``) adds tensors to a
+    chunk until its size *exceeds* ``buffer_bytes`` (the crossing tensor included), then starts the next.
+    The sender broadcasts exactly these slices of its packed bucket, so both sides split the stream alike.
     """
-    from megatron_arpo.rollout.group import EngineHandle, RolloutGroup
+    chunks, start, size = [], 0, 0
+    for nbytes in sizes:
+        size += nbytes
+        if size > buffer_bytes:
+            chunks.append((start, start + size))
+            start, size = start + size, 0
+    if size:
+        chunks.append((start, start + size))
+    return chunks
 
-    handles = engines.engines if isinstance(engines, RolloutGroup) else [
-        e if isinstance(e, EngineHandle) else EngineHandle(e, i) for i, e in enumerate(engines)]
-    sync_id = next(_SYNC_IDS)
-    start = time.monotonic()
-    num_tensors = num_bytes = num_buckets = 0
-    verified: set[str] = set()
-    sampled: list[str] = []
-    for index, bucket in enumerate(bucket_named_tensors(named_tensors, int(bucket_mb * 2 ** 20))):
-        names = []
-        if verify:
-            names = [n for k, (n, _) in enumerate(bucket) if (index == 0 and k == 0) or _in_sample(n, sync_id, verify_fraction)]
-            sampled.extend(names)
-        handle = transport.send(bucket, sync_id, index, names)
-        try:
-            results = await asyncio.gather(*(h.call("load_weight_bucket", handle) for h in handles),
-                                           transport.after_send(handle))
-        finally:
-            transport.release(handle)
-        for result in results[:-1]:
-            verified.update(result["verified"])
-        num_buckets += 1
-        num_tensors += len(bucket)
-        num_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
-    await asyncio.gather(*(h.call("reset_prefix_cache") for h in handles))
-    if verify and not verified:
-        logger.warning("verify_sync: none of the %d sampled tensors maps 1:1 to an engine parameter; only the "
-                       "transport was verified", len(sampled))
-    report = {"sync_id": sync_id, "tensors": num_tensors, "buckets": num_buckets, "bytes": num_bytes,
-              "seconds": time.monotonic() - start, "sampled": sampled, "verified_after_load": sorted(verified)}
-    logger.info("weight sync %d: %d tensors in %d buckets (%.1f MB) to %d engines in %.2f s", sync_id, num_tensors,
-                num_buckets, num_bytes / 2 ** 20, len(handles), report["seconds"])
-    return report
+
+def in_sample(name: str, sync_id: int, fraction: float) -> bool:
+    digest = hashlib.sha256(f"{sync_id}/{name}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") < fraction * 2 ** 32
+
+
+def sample_names(names: Sequence[str], sync_id: int, fraction: float, always_first: bool = False) -> list[str]:
+    """The deterministic verify sample of one bucket (the first name too when ``always_first``)."""
+    return [n for k, n in enumerate(names) if (always_first and k == 0) or in_sample(n, sync_id, fraction)]
+
+
+def choose_transport(requested: str, on_gpu: bool, placement: str) -> str:
+    """``rollout.sync_transport`` for a placement: ``auto`` = gloo on CPU; on GPU ipc when the actor and the
+    engines share GPUs (``trainer.placement: colocated``), nccl when they have their own."""
+    if requested == "auto":
+        return "gloo" if not on_gpu else ("ipc" if placement == "colocated" else "nccl")
+    if requested not in TRANSPORTS:
+        raise ValueError(f"rollout.sync_transport={requested!r}; allowed: auto, {', '.join(TRANSPORTS)}")
+    if requested in ("nccl", "ipc") and not on_gpu:
+        raise ValueError(f"rollout.sync_transport={requested!r} needs GPUs, and launcher.gpus_per_node is 0; "
+                         "set rollout.sync_transport: gloo (or auto)")
+    if requested == "ipc" and placement != "colocated":
+        raise ValueError("rollout.sync_transport='ipc' shares GPU memory between processes on one GPU, so it needs "
+                         f"trainer.placement: colocated (it is {placement!r}); use nccl (or auto) for separate pools")
+    return requested
+
+
+# ----------------------------------------------------------------------------------- transfer group
+def transfer_ranks(engine_world_sizes: Sequence[int], num_senders: int = 1) -> tuple[list[int], int]:
+    """Rank offsets of each engine's workers in one sender -> all engines group, and the group size.
+
+    The sender is rank 0 (vLLM's convention); engine ``e``'s worker ``w`` is rank ``offset[e] + w``,
+    vLLM computing ``w`` itself (data-parallel index x engine world + worker rank; our engines are
+    separate vLLM instances, data-parallel index 0).
+    """
+    if any(w < 1 for w in engine_world_sizes):
+        raise ValueError(f"engine world sizes must be >= 1, got {list(engine_world_sizes)}")
+    offsets, rank = [], num_senders
+    for size in engine_world_sizes:
+        offsets.append(rank)
+        rank += size
+    return offsets, rank
+
+
+def receiver_init_info(transport: str, endpoints: Sequence[Optional[tuple[str, int]]], rank_offset: int,
+                       world_size: int, timeout_s: float, packed_buffer_bytes: int = NCCL_PACKED_BUFFER_BYTES
+                       ) -> dict[str, Any]:
+    """``init_info`` for one engine's ``init_weight_transfer_engine``: one endpoint per pipeline stage."""
+    if transport == "ipc":
+        return {"packed": True}
+    if transport not in ("gloo", "nccl"):
+        raise ValueError(f"unknown weight transport {transport!r}; allowed: {TRANSPORTS}")
+    if not endpoints or any(e is None for e in endpoints):
+        raise ValueError(f"{transport}: every pipeline stage needs a sender endpoint, got {list(endpoints)}")
+    stages = [{"master_address": host, "master_port": int(port), "rank_offset": rank_offset,
+               "world_size": world_size} for host, port in endpoints]
+    if transport == "nccl":
+        for stage in stages:
+            stage.update(packed=True, packed_buffer_size_bytes=packed_buffer_bytes)
+        return {"stages": stages}
+    return {"stages": stages, "timeout_s": float(timeout_s)}
+
+
+# -------------------------------------------------------------------------------- engines, as seen by
+@dataclass
+class EngineRef:
+    """One engine as the driver and the senders call it: a Ray actor handle of `VllmEngine`, or an
+    in-process engine object whose coroutines run on ``loop`` (a loop running in another thread)."""
+
+    index: int
+    target: Any
+    loop: Any = field(default=None, repr=False)
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> concurrent.futures.Future:
+        fn = getattr(self.target, method)
+        if hasattr(fn, "remote"):
+            return fn.remote(*args, **kwargs).future()
+        if self.loop is None:
+            raise ValueError(f"engine {self.index} is an in-process object: give EngineRef the event loop it runs on")
+        import asyncio
+
+        return asyncio.run_coroutine_threadsafe(fn(*args, **kwargs), self.loop)
+
+    def __getstate__(self) -> dict:
+        if self.loop is not None:
+            raise TypeError(f"engine {self.index} lives in this process; it cannot be sent to another one")
+        return dict(self.__dict__)
+
+
+def engine_refs(engines: Any, loop: Any = None) -> list[EngineRef]:
+    """EngineRefs of a `RolloutGroup`, a list of actor handles / engine objects, or EngineRefs."""
+    targets = getattr(engines, "engines", engines)
+    out = []
+    for index, engine in enumerate(targets):
+        if isinstance(engine, EngineRef):
+            out.append(engine)
+            continue
+        engine = getattr(engine, "target", engine)  # a RolloutGroup's EngineHandle
+        out.append(EngineRef(index, engine, loop))
+    return out
+
+
+def _is_actor_death(exc: BaseException) -> bool:
+    try:
+        from ray.exceptions import RayActorError
+    except ImportError:  # in-process engines only
+        return False
+    return isinstance(exc, RayActorError)
+
+
+def _first_line(exc: BaseException) -> str:
+    cause = getattr(exc, "cause", None) or exc
+    text = str(cause).strip()
+    return f"{type(cause).__name__}: {text.splitlines()[0] if text else ''}".strip()
+
+
+def wait_engines(futures: Sequence[concurrent.futures.Future], engines: Sequence[EngineRef], what: str,
+                 timeout: float, also_done: Callable[[], bool] = lambda: True, poll_s: float = 0.05) -> list[Any]:
+    """Results of one call per engine; the first failure raises `WeightSyncError` naming that engine.
+
+    ``also_done`` is a local transfer still in flight (the sender's broadcast): the wait ends when it is
+    done and every engine answered, or at the first engine failure (a dead engine would otherwise leave
+    the broadcast waiting for it).
+    """
+    deadline = time.monotonic() + timeout
+    pending = set(futures)
+    while True:
+        done = {f for f in pending if f.done()}
+        for fut in done:
+            exc = fut.exception()
+            if exc is not None:
+                engine = engines[list(futures).index(fut)]
+                kind = "died" if _is_actor_death(exc) else "failed"
+                error = WeightSyncError(f"weight sync: engine {engine.index} {kind} during {what} ({_first_line(exc)})")
+                cause = getattr(exc, "cause", None) or exc
+                if isinstance(cause, WeightSyncError):  # a failed check: its own words, naming the engine
+                    error = WeightSyncError(f"weight sync: engine {engine.index}: {str(cause).strip().splitlines()[0]}")
+                raise error from exc
+        pending -= done
+        if not pending and also_done():
+            return [f.result() for f in futures]
+        if time.monotonic() > deadline:
+            slow = sorted(engines[list(futures).index(f)].index for f in pending)
+            raise WeightSyncError(f"weight sync: {what} did not finish within {timeout:.0f} s (trainer.timeouts.sync_s)"
+                                  + (f"; engines {slow} did not answer" if slow else "; the local transfer hangs"))
+        if pending:
+            concurrent.futures.wait(pending, timeout=poll_s, return_when=concurrent.futures.FIRST_COMPLETED)
+        else:
+            time.sleep(poll_s / 10)
+
+
+def call_engines(engines: Sequence[EngineRef], method: str, *args: Any, timeout: float,
+                 what: Optional[str] = None, per_engine: Optional[Sequence[Sequence[Any]]] = None) -> list[Any]:
+    """``method`` on every engine at once (``per_engine[e]`` as engine ``e``'s arguments when given)."""
+    futures = [e.call(method, *(per_engine[i] if per_engine is not None else args)) for i, e in enumerate(engines)]
+    return wait_engines(futures, engines, what or method, timeout)
+
+
+# ------------------------------------------------------------------------------------------- driver
+@dataclass
+class SyncSession:
+    """An open transfer between one actor group and a fixed set of engines (set up once, used per sync)."""
+
+    transport: str
+    engines: list[EngineRef]
+    world_sizes: list[int]
+    rank_offsets: list[int]
+    world_size: int
+    endpoints: list[Optional[tuple[str, int]]]
+    tied_embeddings: bool = False
+
+    def init_infos(self, timeout_s: float) -> list[dict]:
+        return [receiver_init_info(self.transport, self.endpoints, offset, self.world_size, timeout_s)
+                for offset in self.rank_offsets]
+
+
+def payload_bytes(obj: Any) -> tuple[int, int]:
+    """``(pickled bytes, tensor bytes)`` of an object the driver sends or receives (for the report)."""
+    import pickle
+
+    import torch
+
+    def tensors(o: Any) -> int:
+        if isinstance(o, torch.Tensor):
+            return o.numel() * o.element_size()
+        if isinstance(o, Mapping):
+            return sum(tensors(k) + tensors(v) for k, v in o.items())
+        if isinstance(o, (list, tuple, set)):
+            return sum(tensors(v) for v in o)
+        return 0
+
+    return len(pickle.dumps(obj)), tensors(obj)
+
+
+def merge_reports(sender_reports: Sequence[Mapping[str, Any]], engine_reports: Sequence[Mapping[str, Any]],
+                  sync_id: int, seconds: float, driver_bytes: int) -> dict[str, Any]:
+    """One sync's report from the senders' (one per pipeline stage) and the engines' answers."""
+    senders = [r for r in sender_reports if r]
+    verified = sorted(set.intersection(*(set(r.get("verified", [])) for r in engine_reports))) if engine_reports else []
+    return {"sync_id": sync_id, "seconds": seconds,
+            "tensors": sum(r["tensors"] for r in senders), "buckets": sum(r["buckets"] for r in senders),
+            "bytes": sum(r["bytes"] for r in senders),
+            "send_s": max((r["seconds"] for r in senders), default=0.0),
+            "sampled": sorted(n for r in senders for n in r.get("sampled", [])),
+            "verified_after_load": verified,
+            "peak_buffer_bytes": max((r.get("peak_buffer_bytes", 0) for r in senders), default=0),
+            "max_bucket_bytes": max((r.get("max_bucket_bytes", 0) for r in senders), default=0),
+            "driver_bytes": driver_bytes}

@@ -1,17 +1,17 @@
-"""Weight sync logic (buckets, delivery to every engine, cache reset, verify_sync) with scripted engines."""
+"""Weight-sync protocol (buckets, packing, rank offsets, init infos, transport choice) and the gloo sender ->
+receiver path end to end with scripted engines: the real sender, gloo transport and receiver checks, no vLLM."""
 
 import asyncio
+import threading
 
 import pytest
 import torch
 
+from megatron_arpo.rollout import weight_sync as ws
 from megatron_arpo.rollout.group import RolloutGroup
 from megatron_arpo.rollout.scripted import CharCodec, ScriptedEngine, ScriptedStep
-from megatron_arpo.rollout.engine import SegmentRequest, tensor_checksum
-from megatron_arpo.rollout.weight_sync import (
-    CudaIpcTransport, InlineTransport, NcclBroadcastTransport, RayObjectStoreTransport, WeightSyncError,
-    bucket_named_tensors, make_transport, sync_weights,
-)
+from megatron_arpo.rollout.engine import SegmentRequest
+from megatron_arpo.rollout.weight_sender import LocalSync, push_weights
 
 CODEC = CharCodec()
 
@@ -22,18 +22,34 @@ def weights(seed=0):
         ("model.norm.weight", torch.randn(32, generator=g))]
 
 
-def engine(index=0):
-    return ScriptedEngine(lambda ctx, req: ScriptedStep(CODEC.encode("abc<EOS>")), engine_index=index, block_size=4)
+def engine(index=0, cls=ScriptedEngine):
+    return cls(lambda ctx, req: ScriptedStep(CODEC.encode("abc<EOS>")), engine_index=index, block_size=4)
 
 
+@pytest.fixture
+def loop():
+    """The engines' event loop, in its own thread: the sender in the test thread blocks on them."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    yield loop
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(5)
+
+
+def on(loop, coro):
+    return asyncio.run_coroutine_threadsafe(coro, loop).result(60)
+
+
+# ------------------------------------------------------------------------------------------ buckets
 def test_buckets_keep_order_and_respect_the_size():
     named = weights()
-    buckets = list(bucket_named_tensors(named, 64 * 32 * 4 * 2))  # two big tensors per bucket
+    buckets = list(ws.bucket_named_tensors(named, 64 * 32 * 4 * 2))  # two big tensors per bucket
     assert [n for b in buckets for n, _ in b] == [n for n, _ in named]
     assert [len(b) for b in buckets] == [2, 2, 2, 1]  # a full bucket is not overfilled, even by 128 bytes
-    assert [len(b) for b in bucket_named_tensors(named, 1)] == [1] * 7  # a tensor larger than a bucket goes alone
+    assert [len(b) for b in ws.bucket_named_tensors(named, 1)] == [1] * 7  # a tensor larger than a bucket goes alone
     with pytest.raises(ValueError, match="sync_bucket_mb"):
-        list(bucket_named_tensors(named, 0))
+        list(ws.bucket_named_tensors(named, 0))
 
 
 def test_buckets_never_split_a_decoder_layer():
@@ -45,7 +61,7 @@ def test_buckets_never_split_a_decoder_layer():
     named += [("model.norm.weight", torch.zeros(4))]
     layer_bytes = 5 * 16 * 4
     for bucket_bytes in (1, 64, layer_bytes - 4, layer_bytes, layer_bytes + 64, 10 * layer_bytes):
-        buckets = list(bucket_named_tensors(named, bucket_bytes))
+        buckets = list(ws.bucket_named_tensors(named, bucket_bytes))
         assert [n for b in buckets for n, _ in b] == [n for n, _ in named]
         homes = {}
         for index, bucket in enumerate(buckets):
@@ -55,78 +71,153 @@ def test_buckets_never_split_a_decoder_layer():
         assert all(len(where) == 1 for where in homes.values()), (bucket_bytes, homes)
 
 
-def test_sync_reaches_every_engine_resets_caches_and_verifies():
-    engines = [engine(0), engine(1)]
-    request = SegmentRequest("r", CODEC.encode("a prompt of some length"), max_tokens=8, stop_token_ids=[CODEC.eos_token_id])
-
-    async def scenario():
-        for e in engines:
-            await e.generate(request)
-            assert (await e.generate(request)).num_cached_tokens > 0
-        report = await sync_weights(RolloutGroup(engines), weights(), InlineTransport(), bucket_mb=0.02,
-                                    verify=True, verify_fraction=0.5)
-        after = [(await e.generate(request)).num_cached_tokens for e in engines]
-        return report, after
-
-    report, cached_after = asyncio.run(scenario())
-    assert cached_after == [0, 0]  # prefix caches dropped after the sync
-    assert report["tensors"] == 7 and report["buckets"] == 3
-    assert report["sampled"] and report["sampled"][0] == "model.layers.0.mlp.down_proj.weight"
-    assert report["verified_after_load"] == sorted(report["sampled"])
-    for e in engines:
-        for name, tensor in weights():
-            assert torch.equal(e.weights[name], tensor)
+def test_a_packed_bucket_round_trips_and_refuses_a_wrong_size():
+    named = [("a", torch.arange(6, dtype=torch.float32).view(2, 3)), ("b", torch.tensor([1, 2], dtype=torch.int64)),
+             ("c", torch.ones(3, dtype=torch.bfloat16))]
+    layout = ws.BucketLayout.of(named)
+    flat = layout.pack(named)
+    assert flat.dtype == torch.uint8 and flat.numel() == layout.nbytes == 24 + 16 + 6
+    for (name, view), (_, original) in zip(layout.views(flat), named):
+        assert view.dtype == original.dtype and torch.equal(view, original)
+    assert layout.update_fields() == {"names": ["a", "b", "c"], "dtype_names": ["float32", "int64", "bfloat16"],
+                                      "shapes": [[2, 3], [2], [3]]}
+    with pytest.raises(ws.WeightSyncError, match="does not match its layout"):
+        layout.views(flat[:-1])
 
 
-class CorruptingTransport(InlineTransport):
-    """Flips one element of every received tensor: what a broken transport would do."""
+def test_packed_chunks_cut_where_vllms_packer_cuts():
+    """The NCCL sender broadcasts slices of its packed bucket; vLLM's consumer must cut the stream alike."""
+    from vllm.distributed.weight_transfer.packed_tensor import pack_tensors
 
-    kind = "test_corrupting"
-
-    @classmethod
-    async def receive(cls, engine, handle):
-        out = []
-        for name, tensor in handle.payload:
-            bad = tensor.clone()
-            bad.view(-1)[0] += 1.0
-            out.append((name, bad))
-        return out
-
-
-def test_verify_sync_stops_on_a_corrupted_transfer():
-    with pytest.raises(WeightSyncError, match="transport"):
-        asyncio.run(sync_weights([engine()], weights(), CorruptingTransport(), verify=True))
-    # Without verification the corruption goes unnoticed (why the option exists).
-    asyncio.run(sync_weights([engine()], weights(), CorruptingTransport(), verify=False))
+    g = torch.Generator().manual_seed(1)
+    for buffer in (1, 100, 700, 4096, 10**6):
+        named = [(f"t{i}", torch.zeros(int(torch.randint(1, 300, (1,), generator=g)), dtype=torch.float32))
+                 for i in range(20)]
+        it, vllm_chunks, pos = iter(named), [], 0
+        while (chunk := pack_tensors(it, lambda item: item[1], buffer)) is not None:
+            vllm_chunks.append((pos, pos + chunk.packed_tensor.numel()))
+            pos += chunk.packed_tensor.numel()
+        assert ws.packed_chunks(ws.BucketLayout.of(named).sizes, buffer) == vllm_chunks, buffer
 
 
-class HalvingEngine(ScriptedEngine):
-    """Loads every tensor scaled by 0.5: an engine whose load path is wrong."""
+# ---------------------------------------------------------------------------------- transfer group
+def test_rank_offsets_follow_vllms_worker_ranks():
+    from types import SimpleNamespace
 
-    async def update_weights(self, named_tensors):
-        return await super().update_weights([(n, t * 0.5) for n, t in named_tensors])
+    from megatron_arpo.rollout.weight_receiver import worker_rank
+
+    offsets, world = ws.transfer_ranks([2, 1, 4])
+    assert (offsets, world) == ([1, 3, 4], 8)
+    # every worker of every engine gets its own rank, the sender is 0
+    ranks = [offset + worker_rank(SimpleNamespace(data_parallel_index=0, world_size=size, rank=w))
+             for offset, size in zip(offsets, [2, 1, 4]) for w in range(size)]
+    assert sorted(ranks) == list(range(1, world))
+    # vLLM's own formula for a data-parallel engine: dp index x engine world + worker rank
+    assert worker_rank(SimpleNamespace(data_parallel_index=1, world_size=4, rank=3)) == 7
+    with pytest.raises(ValueError, match=">= 1"):
+        ws.transfer_ranks([2, 0])
 
 
-def test_verify_sync_stops_on_a_wrong_load():
-    bad = HalvingEngine(lambda ctx, req: ScriptedStep(CODEC.encode("a<EOS>")))
-    with pytest.raises(WeightSyncError, match="load"):
-        asyncio.run(sync_weights([engine(), bad], weights(), InlineTransport(), verify=True))
+def test_init_infos_parse_as_the_receivers_expect():
+    from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferInitInfo
+    from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo
+
+    from megatron_arpo.rollout.weight_receiver import GlooInitInfo, StagedNCCLInitInfo
+
+    endpoints = [("10.0.0.1", 4000), ("10.0.0.2", 4001)]  # one sender per pipeline stage
+    nccl = ws.receiver_init_info("nccl", endpoints, rank_offset=3, world_size=9, timeout_s=60)
+    staged = StagedNCCLInitInfo(**nccl)
+    stages = [NCCLWeightTransferInitInfo(**stage) for stage in staged.stages]
+    assert [(s.master_address, s.master_port, s.rank_offset, s.world_size) for s in stages] == [
+        ("10.0.0.1", 4000, 3, 9), ("10.0.0.2", 4001, 3, 9)]
+    assert all(s.packed and s.packed_buffer_size_bytes == ws.NCCL_PACKED_BUFFER_BYTES for s in stages)
+    gloo = GlooInitInfo(**ws.receiver_init_info("gloo", endpoints[:1], 1, 2, timeout_s=30))
+    assert gloo.timeout_s == 30 and gloo.stages[0]["rank_offset"] == 1
+    assert IPCWeightTransferInitInfo(**ws.receiver_init_info("ipc", [], 1, 2, 30)).packed
+    with pytest.raises(ValueError, match="every pipeline stage needs a sender"):
+        ws.receiver_init_info("nccl", [endpoints[0], None], 1, 5, 60)
+
+
+def test_transport_follows_the_placement():
+    assert ws.choose_transport("auto", on_gpu=False, placement="colocated") == "gloo"
+    assert ws.choose_transport("auto", on_gpu=True, placement="colocated") == "ipc"
+    assert ws.choose_transport("auto", on_gpu=True, placement="separate") == "nccl"
+    assert ws.choose_transport("gloo", on_gpu=True, placement="separate") == "gloo"
+    with pytest.raises(ValueError, match="gpus_per_node is 0; set rollout.sync_transport: gloo"):
+        ws.choose_transport("nccl", on_gpu=False, placement="separate")
+    with pytest.raises(ValueError, match="needs trainer.placement: colocated"):
+        ws.choose_transport("ipc", on_gpu=True, placement="separate")
+    with pytest.raises(ValueError, match="allowed: auto, gloo, nccl, ipc"):
+        ws.choose_transport("object_store", on_gpu=False, placement="colocated")
 
 
 def test_checksum_sees_a_single_bit():
     t = torch.zeros(4)
     u = t.clone()
     u.view(torch.int32)[2] = 1  # smallest positive denormal: the float sum barely moves, the hash does
-    assert tensor_checksum(t)["sha256"] != tensor_checksum(u)["sha256"]
+    assert ws.tensor_checksum(t)["sha256"] != ws.tensor_checksum(u)["sha256"]
 
 
-def test_transport_selection_and_gpu_transports_import_without_cuda():
-    assert isinstance(make_transport("auto", on_gpu=False), RayObjectStoreTransport)
-    assert isinstance(make_transport("auto", on_gpu=True, colocated=True), CudaIpcTransport)
-    assert isinstance(make_transport("auto", on_gpu=True, colocated=False), NcclBroadcastTransport)
-    with pytest.raises(ValueError, match="sync_transport"):
-        make_transport("carrier_pigeon", on_gpu=False)
-    with pytest.raises(ValueError, match="object_store"):
-        CudaIpcTransport().send(weights()[:1], 0, 0)
-    with pytest.raises(RuntimeError, match="setup"):
-        NcclBroadcastTransport().send(weights()[:1], 0, 0)
+# --------------------------------------------------------------------- sender -> gloo -> receivers
+def test_sync_reaches_every_engine_resets_caches_and_verifies(loop):
+    engines = [engine(0), engine(1)]
+    request = SegmentRequest("r", CODEC.encode("a prompt of some length"), max_tokens=8,
+                             stop_token_ids=[CODEC.eos_token_id])
+    for e in engines:
+        on(loop, e.generate(request))
+        assert on(loop, e.generate(request)).num_cached_tokens > 0
+    with LocalSync(RolloutGroup(engines), loop=loop) as sync:
+        report = sync.push(weights(), bucket_bytes=20000, verify_fraction=0.5)
+        again = sync.push(weights(1), bucket_bytes=20000)  # the group formed once serves every sync
+    assert [on(loop, e.generate(request)).num_cached_tokens for e in engines] == [0, 0]  # caches dropped
+    assert report["tensors"] == 7 and report["buckets"] == 3 and report["bytes"] == 6 * 64 * 32 * 4 + 32 * 4
+    assert report["sampled"] and report["sampled"][0] == "model.layers.0.mlp.down_proj.weight"
+    assert report["verified_after_load"] == sorted(report["sampled"])
+    assert [r["loaded"] for r in report["engines"]] == [7, 7] and again["sampled"] == []
+    for e in engines:
+        for name, tensor in weights(1):
+            assert torch.equal(e.weights[name], tensor)
+
+
+class HalvingEngine(ScriptedEngine):
+    """Loads every tensor scaled by 0.5: an engine whose load path is wrong."""
+
+    def _store(self, name, tensor):
+        super()._store(name, tensor * 0.5)
+
+
+def test_verify_sync_stops_on_a_wrong_load_and_names_the_engine(loop):
+    with pytest.raises(ws.WeightSyncError, match=r"^weight sync: engine 1: verify_sync: model\.\S+ differs "
+                                                 r"between the received tensor and the engine parameter \(load\)"):
+        push_weights([engine(0), engine(1, HalvingEngine)], weights(), verify_fraction=1.0, loop=loop)
+    # Without verification the wrong load goes unnoticed (why the option exists).
+    push_weights([engine(0, HalvingEngine)], weights(), verify_fraction=0.0, loop=loop)
+
+
+def test_verify_sync_stops_on_a_corrupted_transfer(loop, monkeypatch):
+    import megatron_arpo.rollout.weight_sender as sender_mod
+
+    real = sender_mod.tensor_checksum
+
+    def lying(tensor):  # the sender's sum of what it meant to send; the bytes on the wire differ
+        out = real(tensor)
+        out["sha256"] = "0" * 64
+        return out
+
+    monkeypatch.setattr(sender_mod, "tensor_checksum", lying)
+    with pytest.raises(ws.WeightSyncError, match=r"^weight sync: engine 0: verify_sync: model\.\S+ differs "
+                                                 r"between the actor and the engine \(transport\)"):
+        push_weights([engine(0)], weights(), verify_fraction=1.0, loop=loop)
+
+
+class FailingEngine(ScriptedEngine):
+    async def update_weights(self, update_info):
+        if update_info["bucket"] == 1:
+            raise RuntimeError("worker 0 ran out of memory")
+        return await super().update_weights(update_info)
+
+
+def test_an_engine_failing_mid_sync_fails_it_naming_the_engine(loop):
+    with pytest.raises(ws.WeightSyncError, match=r"^weight sync: engine 1 failed during bucket 1 of stage 0 "
+                                                 r"\(sync \d+\) \(RuntimeError: worker 0 ran out of memory\)$"):
+        push_weights([engine(0), engine(1, FailingEngine)], weights(), bucket_bytes=20000, timeout_s=30, loop=loop)

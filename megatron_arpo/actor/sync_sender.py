@@ -1,0 +1,135 @@
+"""The actor ranks' part of the weight sync: each pipeline stage streams its own layers into the engines.
+
+`ActorSync` lives on every rank of the actor group (``MegatronActorWorker.sync``); the driver
+(`megatron_arpo.actor.group.ActorGroup.sync_weights`) calls the same method on every rank:
+
+1. ``reserve(transport)`` (once): with ``gloo``/``nccl``, the sender of each pipeline stage — data-parallel
+   replica 0, tensor-parallel rank 0 — reserves an endpoint on its node and returns it; the driver hands
+   the endpoints to the engines.
+2. ``open(engines, world_size)`` (once, while the engines join): the stage senders join their group as
+   rank 0 (`megatron_arpo.rollout.weight_sender`).
+3. ``send(sync_id, ...)`` (every sync). ``gloo``/``nccl``: stage after stage (the engines take one sender
+   at a time; two stages sending to the same engines at once could deadlock their broadcasts), the stage's
+   TP ranks gather each bucket's shards on the sender (``conversion.live.stage_hf_buckets``: mapped through
+   the conversion tables into one packed buffer), which sends it and frees it. Other data-parallel
+   replicas have nothing to do. ``ipc``: every rank of every replica materialises every bucket in its
+   GPU's IPC buffer (TP gather, then the owning stage broadcasts the packed bucket to the other stages,
+   ``conversion.live.export_hf_buckets``), and global rank 0 ships the handles.
+
+With tied embeddings the LM head is sent as well, as ``lm_head.weight`` (a copy of the embedding in the
+same bucket): vLLM 0.32 on CPU computes logits from a copy of the LM head prepared at load time, and a
+reload of ``model.embed_tokens.weight`` alone leaves it stale (measured: log-probs off by up to 0.5).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+TIED_HEAD_ALIASES = {"model.embed_tokens.weight": ("lm_head.weight",)}
+
+
+class ActorSync:
+    """One rank's weight-sync state (see the module docstring)."""
+
+    def __init__(self, worker: Any):
+        self.worker = worker
+        self.transport: Optional[str] = None
+        self.sender = None
+        self._endpoint = None
+
+    @property
+    def aliases(self) -> dict:
+        return dict(TIED_HEAD_ALIASES) if self.worker.model_cfg.tie_word_embeddings else {}
+
+    @property
+    def is_stage_sender(self) -> bool:
+        w = self.worker
+        return w.dp_rank == 0 and w.tp_rank == 0
+
+    def reserve(self, transport: str) -> Optional[tuple[int, tuple[str, int]]]:
+        """``(pipeline stage, (host, port))`` on the stage senders of gloo/nccl; None elsewhere."""
+        from megatron_arpo.rollout.weight_sender import reserve_endpoint
+
+        self.close()
+        self.transport = transport
+        if transport == "ipc" or not self.is_stage_sender:
+            return None
+        self._endpoint = reserve_endpoint()
+        return self.worker.pp_rank, self._endpoint[0]
+
+    def open(self, engines: Sequence[Any], world_size: int, timeout_s: float) -> None:
+        from megatron_arpo.rollout.weight_sender import make_sender
+
+        if self.transport is None:
+            raise RuntimeError("ActorSync.reserve(transport) must run before open()")
+        if self.transport == "ipc":
+            self.sender = make_sender("ipc", engines, timeout_s=timeout_s, group=None)
+        elif self.is_stage_sender:
+            self.sender = make_sender(self.transport, engines, stage=self.worker.pp_rank, timeout_s=timeout_s,
+                                      endpoint=self._endpoint)
+            self._endpoint = None
+            self.sender.open(world_size)
+
+    def send(self, sync_id: int, bucket_bytes: int, verify_fraction: float = 0.0) -> dict:
+        """Stream this rank's share of one sync; the stage sender's report (``{}`` elsewhere)."""
+        if self.transport is None:
+            raise RuntimeError("the weight sync was never opened on this rank (ActorGroup.sync_weights opens it)")
+        if self.transport == "ipc":
+            return self._send_ipc(sync_id, bucket_bytes, verify_fraction)
+        return self._send_stages(sync_id, bucket_bytes, verify_fraction)
+
+    def _send_stages(self, sync_id: int, bucket_bytes: int, verify_fraction: float) -> dict:
+        from megatron.core import parallel_state
+
+        from conversion.live import stage_hf_buckets
+
+        w = self.worker
+        if w.dp_rank != 0:
+            return {}
+        pp_group = parallel_state.get_pipeline_model_parallel_group()
+        report: dict = {}
+        for stage in range(w.pp):
+            if stage == w.pp_rank:
+                if self.sender is not None:
+                    self.sender.begin(sync_id)
+                for bucket in stage_hf_buckets(w.model, w.model_cfg, bucket_bytes,
+                                               tp_group=parallel_state.get_tensor_model_parallel_group(),
+                                               pp_rank=stage, pp_size=w.pp, dst=0, aliases=self.aliases):
+                    if bucket is not None:
+                        self.sender.send(*bucket, verify_fraction=verify_fraction)
+                    del bucket  # sent: the packed bytes are free before the next bucket is gathered
+                if self.sender is not None:
+                    report = self.sender.end()
+            if w.pp > 1:
+                dist.barrier(group=pp_group)  # the next stage starts when this one is done
+        return report
+
+    def _send_ipc(self, sync_id: int, bucket_bytes: int, verify_fraction: float) -> dict:
+        from conversion.live import export_hf_buckets, max_bucket_bytes
+
+        w = self.worker
+        size = max_bucket_bytes(w.model_cfg, w.pp, w.params_dtype, bucket_bytes, self.aliases)
+        buffer = torch.empty(size, dtype=torch.uint8, device=torch.device("cuda", torch.cuda.current_device()))
+        self.sender.share(buffer)
+        self.sender.begin(sync_id)
+        for flat, named in export_hf_buckets(w.model, w.model_cfg, bucket_bytes, aliases=self.aliases,
+                                             buffer=buffer):
+            self.sender.send(flat, named, verify_fraction)
+        report = self.sender.end()
+        del buffer
+        return report
+
+    def close(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
+            self.sender = None
+        if self._endpoint is not None:
+            self._endpoint[1].close()
+            self._endpoint = None
+        self.transport = None

@@ -1,0 +1,318 @@
+"""Engine half of the weight sync: vLLM weight-transfer engines that receive buckets and load them in place.
+
+Runs inside the vLLM workers (every worker of an engine receives every bucket and loads its own TP
+shard of it). vLLM 0.32 creates one engine per worker from ``weight_transfer_config.backend`` (see
+``megatron_arpo.rollout.vllm_plugin``, which registers the three backends in every vLLM process) and
+drives it through the worker's four phases:
+
+- ``init_weight_transfer_engine(init_info)``: join the senders' groups, one per actor pipeline stage
+  (each stage's sender streams its own layers). Ranks follow vLLM's convention: the sender is rank 0,
+  this worker is ``rank_offset + data-parallel index x engine world + worker rank``.
+- ``start_weight_update()``: vLLM's layerwise reload begins (``initialize_layerwise_reload``): a layer's
+  weights are buffered until all of them arrived, then loaded and post-processed in place.
+- ``update_weights(update_info)``: one bucket (names, dtypes, shapes, the pipeline ``stage`` it comes
+  from, and the verify sample's checksums). Received, checked, handed to ``model.load_weights``.
+- ``finish_weight_update()``: ``finalize_layerwise_reload``; then the verify sample is compared with the
+  loaded parameters (`worker_sync_report` reads the outcome).
+
+Three engines, one per transport:
+
+- `GlooWeightTransferEngine` (ours, CPU): the bucket arrives packed in one gloo broadcast on a stateless
+  group (vLLM's ``stateless_init_torch_distributed_process_group``) and is loaded from views of it.
+- `StagedNCCLWeightTransferEngine`: vLLM's ``NCCLWeightTransferEngine`` — its rendezvous
+  (``worker_init_process_group``), packed broadcast consumer and layerwise reload — with one NCCL
+  group per pipeline stage instead of one; a bucket is received on its stage's group.
+- `VerifiedIPCWeightTransferEngine`: vLLM's ``IPCWeightTransferEngine`` (packed: one CUDA-IPC buffer
+  per actor GPU, rebuilt on this worker's GPU by its UUID, cloned, loaded).
+
+The NCCL and IPC subclasses only add the stage groups and the verify checks around vLLM's own receive;
+neither can run on a CPU machine. Nothing here is cached across syncs except the groups.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
+                                                   WeightTransferUpdateInfo)
+from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine, IPCWeightTransferUpdateInfo
+from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine, NCCLWeightTransferUpdateInfo
+
+from megatron_arpo.rollout.weight_sync import BucketLayout, WeightSyncError, compare_checksums, tensor_checksum
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["GlooWeightTransferEngine", "StagedNCCLWeightTransferEngine", "VerifiedIPCWeightTransferEngine",
+           "param_checksums", "worker_rank", "worker_sync_report"]
+
+
+def worker_rank(parallel_config: Any) -> int:
+    """This worker's rank among all workers of its engine, as vLLM's ``worker_init_process_group`` counts."""
+    return parallel_config.data_parallel_index * parallel_config.world_size + parallel_config.rank
+
+
+def param_checksums(model: Any, expected_shapes: dict[str, list[int]]) -> dict[str, Optional[dict]]:
+    """Checksums of the named parameters that map 1:1 to HF tensors (None for the others).
+
+    A parameter is checkable when its name equals the HF name and its shape equals the HF shape, or
+    only its first dimension is larger (vocabulary padding; the padding rows are skipped). Fused
+    (qkv_proj, gate_up_proj) and tensor-parallel-sharded parameters give None.
+    """
+    params = dict(model.named_parameters())
+    out: dict[str, Optional[dict]] = {}
+    for name, shape in expected_shapes.items():
+        p = params.get(name)
+        if p is None:
+            out[name] = None
+        elif list(p.shape) == list(shape):
+            out[name] = tensor_checksum(p)
+        elif p.dim() == len(shape) and list(p.shape[1:]) == list(shape[1:]) and p.shape[0] >= shape[0]:
+            out[name] = tensor_checksum(p[: shape[0]])
+        else:
+            out[name] = None
+    return out
+
+
+# ----------------------------------------------------------------------------------- shared checks
+@dataclass
+class _Session:
+    loaded: list[str] = field(default_factory=list)
+    expected_after_load: dict[str, dict] = field(default_factory=dict)  # name -> checksum in the param dtype
+    sync_ids: set = field(default_factory=set)
+
+
+class _LoadChecks:
+    """The verify checks and load bookkeeping every receiver shares (a mixin over a WeightTransferEngine)."""
+
+    last_report: Optional[dict] = None
+
+    def _begin(self) -> None:
+        self._session = _Session()
+
+    def _checked_load(self, model: Any, info: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
+        session: _Session = getattr(self, "_session", None) or _Session()
+        expected = getattr(info, "expected", None) or {}
+        dtype = getattr(self.model_config, "dtype", None)
+        for name, tensor in weights:
+            want = expected.get(name)
+            if want is None:
+                continue
+            compare_checksums("between the actor and the engine (transport)", name, tensor_checksum(tensor), want)
+            as_param = tensor.to(dtype) if isinstance(dtype, torch.dtype) else tensor
+            session.expected_after_load[name] = tensor_checksum(as_param)
+        session.loaded.extend(n for n, _ in weights)
+        session.sync_ids.add(getattr(info, "sync_id", -1))
+        model.load_weights(weights)
+
+    def _end(self) -> dict:
+        """After the layerwise reload finished: the verify sample against the loaded parameters."""
+        session: _Session = getattr(self, "_session", None) or _Session()
+        shapes = {n: c["shape"] for n, c in session.expected_after_load.items()}
+        loaded = param_checksums(self.model, shapes)
+        verified = []
+        for name, want in session.expected_after_load.items():
+            got = loaded.get(name)
+            if got is None:
+                continue  # fused or sharded in this worker: only the transport check applies
+            compare_checksums("between the received tensor and the engine parameter (load)", name, got, want)
+            verified.append(name)
+        duplicates = len(session.loaded) - len(set(session.loaded))
+        self.last_report = {"loaded": len(set(session.loaded)), "duplicates": duplicates, "verified": sorted(verified),
+                            "sync_ids": sorted(session.sync_ids)}
+        return self.last_report
+
+    @contextlib.contextmanager
+    def _loading_through_checks(self, info: Any):
+        """vLLM's own receive calls ``self.model.load_weights``: route it through `_checked_load`."""
+        model = self.model
+        owner = self
+
+        class _CheckingModel:
+            def load_weights(self, weights):
+                owner._checked_load(model, info, list(weights))
+
+        self.model = _CheckingModel()
+        try:
+            yield
+        finally:
+            self.model = model
+
+
+@dataclass
+class _UpdateExtras:
+    stage: int = 0                      # the actor pipeline stage that sends this bucket
+    sync_id: int = -1
+    bucket: int = 0
+    expected: dict = field(default_factory=dict)   # verify sample: name -> sender checksum
+
+
+# ------------------------------------------------------------------------------------------- gloo
+@dataclass
+class GlooInitInfo(WeightTransferInitInfo):
+    stages: list                        # one {master_address, master_port, rank_offset, world_size} per stage
+    timeout_s: float = 900.0
+
+
+@dataclass
+class GlooUpdateInfo(_UpdateExtras, WeightTransferUpdateInfo):
+    names: list = field(default_factory=list)
+    dtype_names: list = field(default_factory=list)
+    shapes: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not len(self.names) == len(self.dtype_names) == len(self.shapes):
+            raise ValueError(f"gloo update info: {len(self.names)} names, {len(self.dtype_names)} dtypes and "
+                             f"{len(self.shapes)} shapes; one of each per tensor")
+
+
+class GlooWeightTransferEngine(_LoadChecks, WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
+    """CPU transport: vLLM's NCCL engine structure over gloo (see the module docstring)."""
+
+    init_info_cls = GlooInitInfo
+    update_info_cls = GlooUpdateInfo
+
+    def __init__(self, config: Any, vllm_config: Any, device: Any, model: Any) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self._groups: list = []
+
+    def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
+        from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+
+        self.shutdown()
+        timeout = datetime.timedelta(seconds=init_info.timeout_s)
+        for stage in init_info.stages:
+            rank = worker_rank(self.parallel_config) + int(stage["rank_offset"])
+            self._groups.append(stateless_init_torch_distributed_process_group(
+                stage["master_address"], int(stage["master_port"]), rank, int(stage["world_size"]), "gloo",
+                timeout=timeout))
+        logger.info("gloo weight transfer: joined %d stage group(s) as rank %d of %s", len(self._groups),
+                    worker_rank(self.parallel_config) + int(init_info.stages[0]["rank_offset"]),
+                    init_info.stages[0]["world_size"])
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        self._begin()
+        initialize_layerwise_reload(self.model)
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+        self._end()
+
+    def receive_weights(self, update_info: GlooUpdateInfo) -> None:
+        if not self._groups:
+            raise RuntimeError("gloo weight transfer not initialized: call init_weight_transfer_engine first")
+        if not 0 <= update_info.stage < len(self._groups):
+            raise ValueError(f"bucket {update_info.bucket} comes from stage {update_info.stage}, but this engine "
+                             f"joined {len(self._groups)} stage group(s)")
+        layout = BucketLayout(tuple(update_info.names), tuple(tuple(s) for s in update_info.shapes),
+                              tuple(update_info.dtype_names))
+        flat = torch.empty(layout.nbytes, dtype=torch.uint8)
+        self._groups[update_info.stage].broadcast(flat, 0).wait()
+        self._checked_load(self.model, update_info, layout.views(flat))
+
+    def shutdown(self) -> None:
+        from vllm.distributed.utils import stateless_destroy_torch_distributed_process_group
+
+        groups, self._groups = self._groups, []
+        for pg in groups:
+            with contextlib.suppress(Exception):  # a peer already gone: nothing left to close
+                stateless_destroy_torch_distributed_process_group(pg)
+
+
+# ------------------------------------------------------------------------------------------- NCCL
+@dataclass
+class StagedNCCLInitInfo(WeightTransferInitInfo):
+    stages: list                        # one NCCLWeightTransferInitInfo payload per actor pipeline stage
+
+
+@dataclass
+class StagedNCCLUpdateInfo(_UpdateExtras, NCCLWeightTransferUpdateInfo):
+    pass
+
+
+class StagedNCCLWeightTransferEngine(_LoadChecks, NCCLWeightTransferEngine):
+    """vLLM's NCCL engine with one group per actor pipeline stage (each stage's sender is rank 0 of its group)."""
+
+    init_info_cls = StagedNCCLInitInfo
+    update_info_cls = StagedNCCLUpdateInfo
+
+    def init_transfer_engine(self, init_info: StagedNCCLInitInfo) -> None:
+        from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo, worker_init_process_group
+
+        self.shutdown()
+        self._stage_groups = []
+        for stage in init_info.stages:
+            info = NCCLWeightTransferInitInfo(**stage)
+            self.packed = info.packed
+            self.packed_buffer_size_bytes = info.packed_buffer_size_bytes
+            self.packed_num_buffers = info.packed_num_buffers
+            self._stage_groups.append(worker_init_process_group(info, self.parallel_config))
+        self.model_update_group = self._stage_groups[0]
+
+    def start_weight_update(self) -> None:
+        self._begin()
+        super().start_weight_update()
+
+    def finish_weight_update(self) -> None:
+        super().finish_weight_update()
+        self._end()
+
+    def receive_weights(self, update_info: StagedNCCLUpdateInfo) -> None:
+        groups = getattr(self, "_stage_groups", [])
+        if not 0 <= update_info.stage < len(groups):
+            raise ValueError(f"bucket {update_info.bucket} comes from stage {update_info.stage}, but this engine "
+                             f"joined {len(groups)} stage group(s)")
+        self.model_update_group = groups[update_info.stage]
+        with self._loading_through_checks(update_info):
+            super().receive_weights(update_info)
+
+    def shutdown(self) -> None:
+        for group in getattr(self, "_stage_groups", []):
+            with contextlib.suppress(Exception):
+                group.destroy()
+        self._stage_groups = []
+        self.model_update_group = None
+
+
+# -------------------------------------------------------------------------------------------- IPC
+@dataclass
+class VerifiedIPCUpdateInfo(_UpdateExtras, IPCWeightTransferUpdateInfo):
+    pass
+
+
+class VerifiedIPCWeightTransferEngine(_LoadChecks, IPCWeightTransferEngine):
+    """vLLM's IPC engine (packed) with the verify checks around its load."""
+
+    update_info_cls = VerifiedIPCUpdateInfo
+
+    def start_weight_update(self) -> None:
+        self._begin()
+        super().start_weight_update()
+
+    def finish_weight_update(self) -> None:
+        super().finish_weight_update()
+        self._end()
+
+    def receive_weights(self, update_info: VerifiedIPCUpdateInfo) -> None:
+        with self._loading_through_checks(update_info):
+            super().receive_weights(update_info)
+
+
+# ------------------------------------------------------------------------------ collective_rpc helpers
+def worker_sync_report(worker: Any) -> Optional[dict]:
+    """Runs in a vLLM worker: the last finished update's report (loaded names, verified names)."""
+    engine = getattr(worker, "weight_transfer_engine", None)
+    return None if engine is None else getattr(engine, "last_report", None)
+
+
+def worker_param_checksums(worker: Any, expected_shapes: dict[str, list[int]]) -> dict[str, Optional[dict]]:
+    """Runs in a vLLM worker: `param_checksums` of its model."""
+    return param_checksums(worker.model_runner.get_model(), expected_shapes)
