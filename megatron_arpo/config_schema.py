@@ -108,7 +108,9 @@ class RolloutSection:
     scheduler: Literal["async", "barrier"] = _f("async", help="barrier = reference-style rounds (for benchmarks)")
     verify_sync: bool = _f(False, help="checksum sampled tensors on both sides of every weight sync")
     sync_bucket_mb: int = _f(512, ge=1, help="weight-sync bucket size")
-    sync_transport: Literal["auto", "object_store", "cuda_ipc", "nccl"] = _f("auto")
+    sync_transport: Literal["auto", "gloo", "nccl", "ipc"] = _f(
+        "auto", help="weight-sync transport (actor ranks -> engines): auto = gloo on CPU, ipc colocated, nccl "
+                     "for separate GPU pools")
     enable_sleep_mode: bool = _f(False, help="colocated: vLLM sleeps while the actor trains (CUDA; on CPU the same phase switch runs and frees nothing)")
     sleep_level: int = _f(2, ge=1, le=2, help="1: weights kept in host memory while asleep; 2: dropped (the sync after every update re-sends them)")
 

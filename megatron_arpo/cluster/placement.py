@@ -185,7 +185,8 @@ class ResourcePools:
         if not 0 <= engine_index < len(p.engine_bundles):
             raise ValueError(f"engine index {engine_index} out of range 0..{len(p.engine_bundles) - 1}")
         return {"placement_group": self.groups[p.rollout_pool], "bundle_index": p.engine_bundles[engine_index][0],
-                "num_cpus": p.engine_num_cpus, "num_gpus": p.engine_num_gpus}
+                "bundle_indices": list(p.engine_bundles[engine_index]), "num_cpus": p.engine_num_cpus,
+                "num_gpus": p.engine_num_gpus}
 
     def remove(self) -> None:
         if not self.groups:

@@ -25,7 +25,9 @@ dicts), so it is unit-tested without engines. Key names (the ``metrics.jsonl`` c
   (per-token entropy of the policy on response tokens, and on the first ``rollout.entropy_window``
   tokens after each tool result), ``actor/ref_kl`` (mean log pi_old - log pi_ref on response tokens,
   when a reference model runs), ``actor/logprob_padding_fraction``.
-- ``sync/seconds``, ``sync/export_s``, ``sync/load_s``, ``sync/gb_per_s``, ``sync/bytes``, ``sync/verified``.
+- ``sync/seconds`` (wall time of the whole sync), ``sync/send_s`` (the slowest stage sender),
+  ``sync/gb_per_s``, ``sync/bytes``, ``sync/buckets``, ``sync/driver_bytes`` (metadata through the
+  driver), ``sync/driver_weight_bytes`` (weight bytes through the driver: 0), ``sync/verified``.
 - ``time/<phase>_s`` for rollout, reward, advantage, logprob, ref_logprob, update, sync, validate, save,
   ``time/step_s`` and ``time/outside_model_frac``: the share of the step's wall time outside model
   compute, i.e. not in rollout, log-prob, update or validation phases. Rollout time includes waiting
@@ -170,10 +172,13 @@ def actor_metrics(update: Mapping[str, float], logprob_padding: float | None = N
     return out
 
 
-def sync_metrics(report: Mapping[str, Any], export_s: float) -> dict[str, float]:
-    seconds = export_s + float(report["seconds"])
-    return {"sync/seconds": seconds, "sync/export_s": export_s, "sync/load_s": float(report["seconds"]),
-            "sync/bytes": float(report["bytes"]), "sync/gb_per_s": report["bytes"] / 1e9 / seconds if seconds > 0 else 0.0,
+def sync_metrics(report: Mapping[str, Any]) -> dict[str, float]:
+    """One weight sync (``ActorGroup.sync_weights``' report): wall time, the senders' share, bytes, checks."""
+    seconds = float(report["seconds"])
+    return {"sync/seconds": seconds, "sync/send_s": float(report["send_s"]), "sync/bytes": float(report["bytes"]),
+            "sync/gb_per_s": report["bytes"] / 1e9 / seconds if seconds > 0 else 0.0,
+            "sync/buckets": float(report["buckets"]), "sync/driver_bytes": float(report["driver_bytes"]),
+            "sync/driver_weight_bytes": float(report["driver_weight_bytes"]),
             "sync/verified": float(len(report.get("verified_after_load", [])))}
 
 

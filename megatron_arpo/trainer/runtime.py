@@ -252,6 +252,7 @@ def _start_engines(rt: Runtime, hf_dir: str, on_gpu: bool) -> None:
     extra = {} if on_gpu else {"block_size": CPU_BLOCK_SIZE}
     engine_cfg = EngineConfig.from_rollout_section(hf_dir, cfg.rollout, dtype=ENGINE_DTYPES[cfg.actor.params_dtype],
                                                    extra=extra)
+    engine_cfg.weight_transfer = rt.transport  # the engines' receiver matches the actor's sender
     for index in range(cfg.rollout.num_engines):
         rt.engines.append(create_engine_actor(engine_cfg, index, **rt.pools.engine_placement(index)))
 
@@ -321,7 +322,7 @@ def start_runtime(cfg: Any, resume: str, replay_dir: Optional[str] = None) -> Ru
     from megatron_arpo.rollout.group import RolloutGroup
     from megatron_arpo.data.chat import load_chat_format
     from megatron_arpo.rollout.scheduler import RolloutOptions, RolloutScheduler
-    from megatron_arpo.rollout.weight_sync import make_transport
+    from megatron_arpo.rollout.weight_sync import choose_transport
     from megatron_arpo.trainer import checkpointing
 
     cfg = with_absolute_paths(cfg)
@@ -348,7 +349,9 @@ def start_runtime(cfg: Any, resume: str, replay_dir: Optional[str] = None) -> Ru
             _start_tools(rt)
         rt.options = RolloutOptions.from_config(cfg.rollout)
         rt.tied_embeddings = resolved_model(cfg).tie_word_embeddings
-        transport_kind = _transport_kind(cfg)
+        # auto: gloo on CPU, ipc when colocated on GPUs, nccl for separate pools (a bad choice fails here).
+        rt.transport = choose_transport(cfg.rollout.sync_transport, cfg.launcher.gpus_per_node > 0,
+                                        cfg.trainer.placement)
         logger.info("run %s: %d train prompts (%d too long), %s val prompts, %d steps, %s", cfg.name, len(rt.train),
                     rt.train.num_dropped, len(rt.val) if rt.val else 0, rt.total_steps,
                     f"resuming from {rt.resume_from}" if rt.resume_from else "fresh start")
@@ -370,7 +373,6 @@ def start_runtime(cfg: Any, resume: str, replay_dir: Optional[str] = None) -> Ru
             _wait_for_engines(rt)
             rt.group = RolloutGroup(rt.engines)
             rt.scheduler = RolloutScheduler(rt.group, rt.tools, rt.protocol, rt.options)
-            rt.transport = make_transport(transport_kind, on_gpu, cfg.trainer.placement == "colocated")
 
         if rt.resume_from is not None:
             checkpointing.restore_driver_state(rt, rt.actor.init_state or {})
@@ -401,21 +403,6 @@ def _start_tools(rt: Runtime) -> None:
     rt.tools = build_tools(tools_cfg)
     _probe_tools(rt)
     rt.protocol = rt.chat.protocol(rt.tools.tags)
-
-
-def _transport_kind(cfg: Any) -> str:
-    """The weight-sync transport this driver can run: the object store.
-
-    ``steps.sync_weights`` sends from the driver what ``ActorGroup.export_weights`` returned. CUDA IPC and
-    NCCL need the sender inside actor rank 0 (the tensors never leave its GPU), which the actor group
-    does not offer yet; ``auto`` therefore means ``object_store`` here, and asking for the others is an
-    error rather than a silent fallback.
-    """
-    kind = cfg.rollout.sync_transport
-    if kind in ("cuda_ipc", "nccl"):
-        raise RuntimeError(f"rollout.sync_transport={kind!r} needs a sender on actor rank 0, which the actor group "
-                           f"does not provide yet; set rollout.sync_transport: object_store (or auto)")
-    return "object_store"
 
 
 def _start_metrics_logger(rt: Runtime) -> None:

@@ -14,9 +14,10 @@
   entry per trajectory: prompt + response ids, loss mask 0 on prompt and tool-result tokens).
 - ``add_log_probs``: old log-probs (and per-token entropy, for metrics) from the policy group; reference
   log-probs from the reference group when ``algorithm.use_reference`` is on.
-- ``sync_weights``: HF-named tensors exported by the actor, sent to every engine
-  (``rollout.weight_sync.sync_weights``), prefix caches dropped; bounded by ``trainer.timeouts.sync_s``.
-  With tied embeddings ``lm_head.weight`` is sent as well (see the comment there).
+- ``sync_weights``: the actor ranks stream their weights into every engine (``ActorGroup.sync_weights``:
+  each pipeline stage's sender its own layers, no weight byte through the driver), prefix caches
+  dropped; bounded by ``trainer.timeouts.sync_s``. With tied embeddings ``lm_head.weight`` is sent as
+  well (``megatron_arpo.actor.sync_sender``).
 - ``validate``: greedy, n = 1, no branching on ``data.val_files``; mean reward per data source.
 
 When replaying recorded rollouts (``rt.replay``, ``megatron_arpo.trainer.replay``) ``rollout`` reads the
@@ -134,25 +135,12 @@ def update(rt: Any, batch: dict[str, Any]) -> dict[str, float]:
 
 
 def sync_weights(rt: Any) -> dict[str, float]:
-    """Actor -> engines; returns the sync metrics (seconds, GB/s, tensors verified after load)."""
-    from megatron_arpo.rollout.weight_sync import sync_weights as send
+    """Actor ranks -> engines (``ActorGroup.sync_weights``); returns the sync metrics."""
     from megatron_arpo.trainer.metrics import sync_metrics
 
     if rt.group is None:  # replaying records: no engine to send to
         return {}
-    start = time.perf_counter()
-    buckets = rt.actor.export_weights()
-    export_s = time.perf_counter() - start
-    named = [item for bucket in buckets for item in bucket]
-    if rt.tied_embeddings and not any(name == "lm_head.weight" for name, _ in named):
-        # vLLM 0.32 on CPU computes logits from a copy of the LM head prepared at load time; with tied
-        # embeddings a reload of model.embed_tokens.weight alone leaves that copy stale (measured: logprobs
-        # off by up to 0.5 after a sync). Naming the head explicitly makes the engine reload and re-prepare it.
-        named += [("lm_head.weight", t) for name, t in named if name == "model.embed_tokens.weight"]
-    r = rt.cfg.rollout
-    report = rt.run_async(send(rt.group, named, rt.transport, bucket_mb=r.sync_bucket_mb, verify=r.verify_sync),
-                          rt.cfg.trainer.timeouts.sync_s, "the weight sync to the engines", "trainer.timeouts.sync_s")
-    return sync_metrics(report, export_s)
+    return sync_metrics(rt.actor.sync_weights(rt.group, verify=rt.cfg.rollout.verify_sync))
 
 
 def validate(rt: Any, step: int) -> dict[str, float]:

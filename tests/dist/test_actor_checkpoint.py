@@ -62,7 +62,7 @@ def _run_steps(worker, steps) -> list[dict]:
 
 
 def _weights(worker) -> dict:
-    return {n: t for bucket in worker.export_weights(1 << 20) for n, t in bucket}
+    return {n: t.clone() for bucket in worker.iter_weight_buckets(1 << 20) for n, t in bucket}
 
 
 def _train_and_save(rank, world_size, hf_dir, root):

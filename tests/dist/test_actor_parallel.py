@@ -90,7 +90,9 @@ def _layout_worker(rank, world_size, hf_dir, tp, pp, batch):
     shard = shards[worker.dp_rank]
     out = worker.compute_log_probs({"input_ids": shard["input_ids"]}, with_entropy=True)
     metrics = worker.update(shard)
-    buckets = worker.export_weights(bucket_bytes=1 << 20)
+    owner = (worker.tp_rank, worker.pp_rank, worker.dp_rank) == (0, 0, 0)
+    buckets = [[(n, t.clone()) for n, t in bucket if owner] for bucket in worker.iter_weight_buckets(1 << 20)]
+    buckets = [b for b in buckets if b]
     return {"sample_index": shard["sample_index"], "logprobs": out["logprobs"], "entropy": out["entropy"],
             "padding_fraction": out["padding_fraction"], "metrics": metrics,
             "weights": {n: t for bucket in buckets for n, t in bucket}, "num_buckets": len(buckets),

@@ -5,8 +5,9 @@ one after the other in this process; a later rank receives the object messages a
 (the last stage's metrics and export metadata reach the first stage). Each rank runs the actor
 worker's GPU paths under ``megatron_arpo.actor.fake_cuda``: init_model (HF weights),
 compute_log_probs with entropy, a PPO update with AEPO entropy-aware advantages (its entropy pass)
-and the optimizer step, sft_step, checkpoint save and load, the weight export for sync (the streamed
-buckets and the host snapshot) and write_hf_checkpoint; then a reference-role worker's log-probs.
+and the optimizer step, sft_step, checkpoint save and load, the weight export (the streamed buckets),
+the weight sync's send path (each stage's buckets gathered on its sender; a recorder in the transport's
+place) and write_hf_checkpoint; then a reference-role worker's log-probs.
 
 OUT is ``{rank: result}`` (what each step saw: devices, dtypes, shapes; the collective checker's
 violations; the peer messages it missed), or ``{"unavailable": reason}`` when the harness's C++ guard
@@ -124,12 +125,23 @@ def run(spec: dict) -> dict:
 
         step("export", export)
 
-        def snapshot():  # what the trainer ships to the engines through Ray: host copies, on rank 0 only
-            buckets = worker.export_weights(bucket_bytes=1 << 16)
-            return {"num_tensors": sum(len(b) for b in buckets),
-                    "devices": sorted({str(t.device) for b in buckets for _, t in b})}
+        def send():  # the weight sync's send path: this stage's buckets, gathered on the sender, as they leave
+            from megatron_arpo.rollout.weight_sender import StageSender
 
-        step("export_weights", snapshot)
+            class Recorder(StageSender):  # the transport's place: records what would go on the wire
+                sent: list = []
+
+                def _transfer(self, flat, layout, info, what):
+                    self.sent.append({"device": str(flat.device), "bytes": flat.numel(), "names": list(layout.names),
+                                      "dtypes": sorted(set(layout.dtype_names)), "stage": info["stage"]})
+
+            sync = worker._sync_state()
+            sync.transport, sync.sender = "gloo", Recorder([], stage=worker.pp_rank)
+            report = worker.send_weights(0, 1 << 16)
+            sync.sender = sync.transport = None
+            return {"report": {k: report[k] for k in ("tensors", "buckets", "bytes", "stage")}, "sent": Recorder.sent}
+
+        step("send_weights", send)
 
         def hf():
             worker.write_hf_checkpoint(work / "hf")

@@ -130,9 +130,22 @@ def test_weight_export_and_hf_checkpoint_cover_the_model_on_the_device(results, 
     # The last stage exports its own layer (global layer 1), the final norm and (untied) the lm_head.
     own = {n for n in source if n.startswith("model.layers.1.") or n in ("model.norm.weight", "lm_head.weight")}
     assert set(last["steps"]["export"]["tensors"]) == own and last["steps"]["export"]["devices"] == ["cuda:4"]
-    # The snapshot that leaves the worker (to the driver, through Ray) is on the host, on rank 0 only.
-    assert first["steps"]["export_weights"] == {"num_tensors": len(source), "devices": ["cpu"]}
-    assert last["steps"]["export_weights"] == {"num_tensors": 0, "devices": []}
+    # The weight sync: each stage's sender sends its own layers, packed on its GPU, in the params' dtype;
+    # together the two stages send the model once (plus lm_head.weight when tied: see actor/sync_sender.py).
+    tied = "lm_head.weight" not in source
+    sent = {}
+    for rank, stage, device in ((first, 0, "cuda:0"), (last, 1, "cuda:4")):
+        buckets = rank["steps"]["send_weights"]["sent"]
+        assert {(b["device"], b["stage"]) for b in buckets} == {(device, stage)}
+        assert {d for b in buckets for d in b["dtypes"]} == {"bfloat16"}
+        names = [n for b in buckets for n in b["names"]]
+        assert not set(names) & set(sent) and len(names) == len(set(names))
+        sent.update(dict.fromkeys(names, stage))
+        report = rank["steps"]["send_weights"]["report"]
+        assert report == {"tensors": len(names), "buckets": len(buckets), "stage": stage,
+                          "bytes": sum(b["bytes"] for b in buckets)}
+    assert set(sent) == set(source) | ({"lm_head.weight"} if tied else set())
+    assert {n for n, stage in sent.items() if stage == 1} == own
     # Global rank 0 wrote the HF checkpoint: every tensor, bf16, in the source's shapes.
     files = first["steps"]["write_hf_checkpoint"]
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(files)

@@ -2,9 +2,11 @@
 
 1. With a stand-in worker (real gloo collectives, Megatron-like TP/DP coordinates, no Megatron) at TP=2 x
    DP=2: DP shards go to the right ranks, per-sequence results come back in the batch's order from the
-   representative ranks only, metrics are averaged over replicas, save/load/export return rank 0's answer.
+   representative ranks only, metrics are averaged over replicas, save/load return rank 0's answer.
 2. With the real MegatronActorWorker at TP=2 (one rank per node): the tiny Qwen3 checkpoint loads and the
-   log-probs match HF transformers; exported weights equal the checkpoint's tensors.
+   log-probs match HF transformers; ``sync_weights`` streams the checkpoint's exact tensors from the
+   actor ranks into two engine actors (scripted engines with the real gloo receiver), no weight byte
+   through the driver, and an engine killed before a sync fails it naming the engine.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from ray import cloudpickle  # noqa: E402
 
 from megatron_arpo.actor.group import ActorGroup, mean_metrics  # noqa: E402
 from megatron_arpo.config import build_config  # noqa: E402
+from megatron_arpo.rollout.scripted import ScriptedEngine  # noqa: E402
+from megatron_arpo.rollout.weight_sync import WeightSyncError  # noqa: E402
 from ray_cluster import ray_two_nodes, _ray_two_node_cluster  # noqa: E402,F401 (fixtures)
 
 pytestmark = pytest.mark.timeout(600)
@@ -84,9 +88,6 @@ class StandInWorker:
     def load(self, path):
         return {"step": 7, "rank": self.rank}
 
-    def export_weights(self, bucket_bytes):
-        return [[("model.norm.weight", torch.ones(4))]] if self.rank == 0 else []
-
     def shutdown(self):
         import torch.distributed as dist
 
@@ -125,10 +126,18 @@ def test_stand_in_tp2_dp2_split_merge_and_reduce(ray_two_nodes):
 
         assert group.save("/ckpt", {"step": 3}) == "/ckpt/rank0:3"
         assert group.load("/ckpt") == {"step": 7, "rank": 0}
-        buckets = group.export_weights()
-        assert [[name for name, _ in b] for b in buckets] == [["model.norm.weight"]]
     finally:
         group.shutdown()
+
+
+class WeightHoldingEngine(ScriptedEngine):
+    """A scripted engine (the real gloo receiver, loading into a dict) whose weights the test can read."""
+
+    def __init__(self, index):
+        super().__init__(lambda ctx, req: None, engine_index=index)
+
+    async def held(self):
+        return dict(self.weights)
 
 
 def _hf_token_logprobs(hf_dir, seqs):
@@ -164,12 +173,22 @@ def test_megatron_tp2_on_two_nodes_matches_hf(ray_two_nodes, tmp_path):
             assert got.shape == want.shape
             assert torch.max(torch.abs(got - want)).item() < 1e-4
 
-        exported = dict(kv for bucket in group.export_weights(bucket_bytes=1 << 20) for kv in bucket)
+        engines = [ray.remote(WeightHoldingEngine).options(num_cpus=0).remote(i) for i in range(2)]
+        report = group.sync_weights(engines, verify=True)
         original = load_file(f"{hf_dir}/model.safetensors")
-        shared = set(exported) & set(original)
-        assert "model.layers.0.self_attn.q_proj.weight" in shared and len(shared) >= len(original) - 1
-        for name in shared:
-            assert torch.equal(exported[name], original[name]), name
+        for held in ray.get([e.held.remote() for e in engines]):
+            # The tied LM head arrives as lm_head.weight too (see megatron_arpo.actor.sync_sender).
+            assert set(held) == set(original) | {"lm_head.weight"}
+            for name, tensor in original.items():
+                assert torch.equal(held[name], tensor), name
+            assert torch.equal(held["lm_head.weight"], original["model.embed_tokens.weight"])
+        assert report["tensors"] == len(original) + 1 and report["buckets"] >= 2  # 1 MB buckets
+        assert report["driver_weight_bytes"] == 0 and 0 < report["driver_bytes"] < 64 * 1024
+        assert report["verified_after_load"] and set(report["verified_after_load"]) == set(report["sampled"])
+
+        ray.kill(engines[1])
+        with pytest.raises(WeightSyncError, match=r"^weight sync: engine 1 died during start_weight_update"):
+            group.sync_weights(engines)
 
         # One PPO update through the group moves the weights; a checkpoint restores the updated ones.
         batch = {"input_ids": seqs, "loss_mask": [[0, 0, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1]],

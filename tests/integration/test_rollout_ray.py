@@ -1,5 +1,5 @@
 """`VllmEngine` as a Ray async actor: the scheduler drives it through a RolloutGroup, and weights arrive
-through the Ray object store.
+through vLLM's weight-transfer API (our gloo receiver in the engine, the sender in this process).
 
 A private single-node Ray (2 CPUs) from tests/integration/ray_cluster.py; one engine actor for the module.
 """
@@ -18,7 +18,7 @@ from megatron_arpo.rollout.engine import EngineConfig, SegmentRequest, create_en
 from megatron_arpo.rollout.group import RolloutGroup
 from megatron_arpo.rollout.protocol import TagProtocol
 from megatron_arpo.rollout.scheduler import RolloutOptions, RolloutPrompt, RolloutScheduler
-from megatron_arpo.rollout.weight_sync import RayObjectStoreTransport, sync_weights
+from megatron_arpo.rollout.weight_sender import LocalSync
 from megatron_arpo.testing import tiny_checkpoint
 from megatron_arpo.tools.registry import build_tools
 from ray_cluster import ray_single_node  # noqa: F401  (module-scoped fixture)
@@ -38,7 +38,7 @@ def actor(ray_single_node, ckpt):  # noqa: F811
     import ray
 
     cfg = EngineConfig(model=str(ckpt), dtype="float32", max_model_len=1024, block_size=32, seed=0,
-                       enforce_eager=True, cpu_omp_threads_bind="nobind")
+                       enforce_eager=True, cpu_omp_threads_bind="nobind", weight_transfer="gloo")
     handle = create_engine_actor(cfg, num_cpus=1, env={"PYTHONPATH": str(REPO)})
     health = ray.get(handle.health.remote(), timeout=600)
     assert health["ok"] and health["max_model_len"] == 1024
@@ -68,10 +68,12 @@ def test_scheduler_and_weight_sync_through_a_ray_actor(actor, ckpt, tmp_path):
     async def scenario():
         result = await scheduler.run([RolloutPrompt("a", ids), RolloutPrompt("b", ids)])
         await tools.close()
-        zero = await sync_weights([actor], [(name, torch.zeros_like(original))], RayObjectStoreTransport(),
-                                  verify=True)
-        zeroed = await actor.generate.remote(SegmentRequest("z", ids, max_tokens=4, logprobs=3))
-        await sync_weights([actor], [(name, original)], RayObjectStoreTransport(), verify=True)
+        loop = asyncio.get_running_loop()
+        with LocalSync([actor]) as sync:  # blocking sender calls run off the loop
+            zero = await loop.run_in_executor(None, lambda: sync.push([(name, torch.zeros_like(original))],
+                                                                      verify_fraction=1.0))
+            zeroed = await actor.generate.remote(SegmentRequest("z", ids, max_tokens=4, logprobs=3))
+            await loop.run_in_executor(None, lambda: sync.push([(name, original)], verify_fraction=1.0))
         restored = await actor.generate.remote(SegmentRequest("r", ids, max_tokens=4, logprobs=3))
         return result, zero, zeroed, restored
 

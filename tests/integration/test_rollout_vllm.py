@@ -21,7 +21,7 @@ from megatron_arpo.rollout.engine import EngineConfig, SegmentRequest, VllmEngin
 from megatron_arpo.rollout.group import RolloutGroup
 from megatron_arpo.rollout.protocol import TagProtocol
 from megatron_arpo.rollout.scheduler import RolloutOptions, RolloutPrompt, RolloutScheduler
-from megatron_arpo.rollout.weight_sync import InlineTransport, sync_weights
+from megatron_arpo.rollout.weight_sender import LocalSync
 from megatron_arpo.testing import tiny_checkpoint
 from megatron_arpo.tools.registry import build_tools
 
@@ -51,7 +51,7 @@ def tokenizer(ckpt):
 @pytest.fixture(scope="module")
 def engine(ckpt):
     eng = VllmEngine(EngineConfig(model=str(ckpt), dtype="float32", max_model_len=1024, block_size=BLOCK, seed=0,
-                                  enforce_eager=True))
+                                  enforce_eager=True, weight_transfer="gloo"))
     yield eng
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
@@ -165,10 +165,17 @@ def test_weight_sync_changes_generation(engine, tokenizer, ckpt):
         return await engine.generate(SegmentRequest(tag, prompt, max_tokens=6, temperature=0.0, logprobs=5))
 
     async def scenario():
+        loop = asyncio.get_running_loop()
         before = await generate("before")
-        zero = await sync_weights([engine], [(name, torch.zeros_like(original))], InlineTransport(), verify=True)
-        zeroed = await generate("zeroed")
-        restore = await sync_weights([engine], [(name, original)], InlineTransport(), verify=True)
+        # The sender blocks until the engine received: it runs off the loop the engine's coroutines need.
+        sync = await loop.run_in_executor(None, lambda: LocalSync([engine], loop=loop))
+        try:
+            zero = await loop.run_in_executor(None, lambda: sync.push([(name, torch.zeros_like(original))],
+                                                                      verify_fraction=1.0))
+            zeroed = await generate("zeroed")
+            restore = await loop.run_in_executor(None, lambda: sync.push([(name, original)], verify_fraction=1.0))
+        finally:
+            sync.close()
         restored = await generate("restored")
         return before, zero, zeroed, restore, restored
 

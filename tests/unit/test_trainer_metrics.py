@@ -107,5 +107,7 @@ def test_phase_timer_outside_model_share():
 
 
 def test_sync_metrics_rate():
-    out = metrics.sync_metrics({"seconds": 1.5, "bytes": 2e9, "verified_after_load": ["a", "b"]}, export_s=0.5)
+    out = metrics.sync_metrics({"seconds": 2.0, "send_s": 1.5, "bytes": 2e9, "buckets": 3, "driver_bytes": 4096,
+                                "driver_weight_bytes": 0, "verified_after_load": ["a", "b"]})
     assert out["sync/seconds"] == 2.0 and out["sync/gb_per_s"] == 1.0 and out["sync/verified"] == 2
+    assert out["sync/send_s"] == 1.5 and out["sync/driver_weight_bytes"] == 0

@@ -114,7 +114,8 @@ def test_config_paths_become_absolute_for_ray_workers(tmp_path, monkeypatch):
     assert cfg.model.hf_checkpoint == str(tmp_path / "ckpt") and cfg.run_dir == tmp_path / "runs" / "x"
 
 
-def test_weight_sync_transport_is_the_object_store_until_the_actor_can_send():
-    assert runtime._transport_kind(config()) == "object_store"  # auto
-    with pytest.raises(RuntimeError, match="sync_transport: object_store"):
-        runtime._transport_kind(config(rollout={"sync_transport": "nccl"}))
+def test_the_config_names_the_three_weight_transports():
+    assert config(rollout={"sync_transport": "ipc"}).rollout.sync_transport == "ipc"
+    with pytest.raises(Exception, match="sync_transport") as err:
+        config(rollout={"sync_transport": "object_store"})  # the driver no longer carries the weights
+    assert "gloo" in str(err.value) and "nccl" in str(err.value)
