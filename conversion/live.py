@@ -127,10 +127,10 @@ def _gather_full(rule: mapping.BoundRule, param: torch.Tensor, tp_group, tp_size
     Row-concatenated shards (column, vocab) are gathered straight into the full tensor's row blocks, so
     the only memory is the full tensor; the others (row, gated) gather into pieces and are unsharded.
     """
+    receiving = dst is None or torch.distributed.get_rank(tp_group) == dst
     local = param.detach().contiguous()
     if tp_size == 1 or rule.shard is mapping.Shard.REPLICATED:
-        return local
-    receiving = dst is None or torch.distributed.get_rank(tp_group) == dst
+        return local if receiving else None  # every TP rank holds it whole: nothing to gather
     full = pieces = None
     if receiving:
         if rule.shard in (mapping.Shard.COLUMN, mapping.Shard.VOCAB):

@@ -115,4 +115,17 @@ def parity_worker(rank: int, world_size: int, hf_dir: str, model_config: str | N
     if len(seen) != len(set(seen)):
         mismatches.append("some tensors were exported twice")
     result.update(num_exported=len(seen), mismatches=mismatches, dtype=str(ckpt_dtype).removeprefix("torch."))
+    # The weight sync's path: this stage's buckets gathered on TP rank 0 only (None on the other TP ranks).
+    sent, wrong, empty = [], [], 0
+    for bucket in live.stage_hf_buckets(model, cfg, 1 << 20, tp_group=ps.get_tensor_model_parallel_group(),
+                                        pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=pp, dst=0,
+                                        dtype=ckpt_dtype):
+        if bucket is None:
+            empty += 1
+            continue
+        for name, tensor in bucket[1]:
+            sent.append(name)
+            if name not in expected or not torch.equal(reader.read(name), tensor):
+                wrong.append(name)
+    result.update(stage_sent=sent, stage_wrong=wrong, stage_empty_buckets=empty)
     return result

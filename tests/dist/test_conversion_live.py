@@ -26,3 +26,11 @@ def test_load_parity_and_export(name, tp, pp):
     for r in results:
         assert r["mismatches"] == [], r["mismatches"]
         assert r["num_exported"] == results[0]["num_exported"] > 0
+    # The weight sync's send path: each stage's TP rank 0 holds its stage's tensors, bit-exact; the other
+    # TP ranks only contribute shards. Together the stages send every tensor once.
+    senders = [r for r in results if r["stage_sent"]]
+    assert len(senders) == pp and all(r["stage_wrong"] == [] for r in results)
+    assert all(r["stage_empty_buckets"] > 0 for r in results if not r["stage_sent"]) and len(results) - pp == \
+        (tp - 1) * pp
+    names = [n for r in senders for n in r["stage_sent"]]
+    assert len(names) == len(set(names)) == results[0]["num_exported"]
