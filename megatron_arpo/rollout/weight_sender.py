@@ -14,9 +14,10 @@ metadata (names, dtypes, shapes, stage, the verify sample's checksums) and moves
   GPU; the handles of all ranks are all-gathered once per sync, and rank 0 ships them with each bucket
   (vLLM's packed IPC protocol); all ranks keep the buffer until the engines have copied the bucket.
 
-A bucket is freed as soon as its bytes left (the engines' loads of bucket k overlap the packing of k+1;
-their answers are collected before the next bucket goes out). An engine that dies or fails while a
-bucket is in flight fails the send with one line naming it (`wait_engines`).
+A bucket is freed as soon as its bytes left (the transfer and the engines' loads of bucket k overlap the
+packing of k+1; both are waited for before the next bucket goes out, so a sender holds about two
+buckets). An engine that dies or fails while a bucket is in flight fails the send with one line naming
+it (`wait_engines`).
 """
 
 from __future__ import annotations
@@ -140,9 +141,16 @@ class GlooSender(StageSender):
         if self._pg is None:
             raise RuntimeError("GlooSender.open() must join the transfer group before the first bucket")
         futures = [e.call("update_weights", info) for e in self.engines]
-        work = self._pg.broadcast(flat, 0)
-        self._wait_sent(futures, work, what)  # the bytes are out; the engines may still be loading them
-        self._in_flight = [futures, what]
+        # Not waited for here: the next bucket is gathered and packed while this one travels; the next
+        # send (or end) waits for it first, so a sender holds this bucket and the one it is packing.
+        self._in_flight = [futures, what, self._pg.broadcast(flat, 0), flat]
+
+    def _collect(self) -> None:
+        if self._in_flight:
+            futures, what, work, _flat = self._in_flight
+            self._wait_sent(futures, work, what)  # the bytes are out; the engines may still be loading them
+            self._in_flight = []
+            wait_engines(futures, self.engines, what, self.timeout_s)
 
     def _wait_sent(self, futures, work, what) -> None:
         # A dead engine would leave the broadcast waiting forever: watch the engines' calls meanwhile.
