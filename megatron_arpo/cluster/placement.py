@@ -95,6 +95,12 @@ def plan_placement(cfg: Any, *, strategy: str = "PACK", cpus_per_bundle: Optiona
     slots_per_engine = r.tensor_parallel
     engine_slots = r.num_engines * slots_per_engine
     devices = la.nodes * la.gpus_per_node if on_gpu else None
+    if on_gpu and la.gpus_per_node % slots_per_engine:
+        # vLLM's ray executor puts an engine's workers on its own bundles; bundles are packed node by node,
+        # so an engine whose TP does not divide a node's GPUs would straddle two nodes.
+        raise ValueError(f"rollout.tensor_parallel = {slots_per_engine} GPUs per engine do not divide the "
+                         f"{la.gpus_per_node} GPUs of a node (launcher.gpus_per_node): an engine would span two "
+                         f"nodes; use a divisor of {la.gpus_per_node}")
 
     if t.placement == "colocated":
         size = devices if on_gpu else max(world, engine_slots)

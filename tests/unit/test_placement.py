@@ -101,3 +101,36 @@ def test_bad_strategy_and_share_are_rejected():
         plan_placement(cfg, strategy="SPREADOUT")
     with pytest.raises(ValueError, match="colocate_share"):
         plan_placement(cfg, colocate_share=0)
+
+
+def test_engine_actor_options_follow_the_plan():
+    """What each engine actor is started with (resources, vLLM's executor env) comes from the plan."""
+    from megatron_arpo.rollout.engine import EngineConfig, engine_actor_options
+
+    cfg = config(model={"config": "qwen3-8b"}, launcher={"nodes": 2, "gpus_per_node": 4, "cpus_per_task": 32},
+                 actor={"tensor_parallel": 2, "pipeline_parallel": 1},
+                 rollout={"num_engines": 4, "tensor_parallel": 2, "response_length": 1024})
+    plan = plan_placement(cfg)
+    engine = EngineConfig(model="/ckpt", tensor_parallel_size=cfg.rollout.tensor_parallel)
+    resources, env = engine_actor_options(engine, on_gpu=True, num_cpus=plan.engine_num_cpus,
+                                          gpu_share=plan.engine_num_gpus, bundle_indices=plan.engine_bundles[2])
+    # TP=2 colocated: the actor holds no GPU; vLLM's ray workers take half a GPU on bundles 4 and 5.
+    assert resources == {"num_cpus": 4.0, "num_gpus": 0.0}
+    assert env["VLLM_RAY_BUNDLE_INDICES"] == "4,5" and env["VLLM_RAY_PER_WORKER_GPUS"] == "0.5"
+    one = EngineConfig(model="/ckpt", tensor_parallel_size=1)
+    resources, env = engine_actor_options(one, on_gpu=True, num_cpus=4.0, gpu_share=0.5, bundle_indices=(3,))
+    assert resources == {"num_cpus": 4.0, "num_gpus": 0.5} and "VLLM_RAY_BUNDLE_INDICES" not in env
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 2 needs as many placement-group bundles, got \[4\]"):
+        engine_actor_options(engine, on_gpu=True, gpu_share=0.5, bundle_indices=(4,))
+    # CPU: vLLM's mp executor runs both workers inside the actor's slot; no GPU, no bundle env.
+    resources, env = engine_actor_options(engine, on_gpu=False, num_cpus=1.0, bundle_indices=(0, 1))
+    assert resources == {"num_cpus": 1.0, "num_gpus": 0.0} and "VLLM_RAY_BUNDLE_INDICES" not in env
+
+
+def test_an_engine_that_would_span_two_nodes_is_refused_with_the_numbers():
+    cfg = config(model={"config": "qwen3-8b"}, launcher={"nodes": 2, "gpus_per_node": 6},
+                 actor={"tensor_parallel": 2, "pipeline_parallel": 1},
+                 rollout={"num_engines": 3, "tensor_parallel": 4, "response_length": 1024})
+    with pytest.raises(ValueError, match=r"rollout.tensor_parallel = 4 GPUs per engine do not divide the 6 GPUs "
+                                         r"of a node \(launcher.gpus_per_node\).*use a divisor of 6"):
+        plan_placement(cfg)
