@@ -14,7 +14,13 @@ Per TP, after one warm-up sync (forms the transfer group), ``--repeats`` syncs, 
 - sync wall time per GB of HF tensors over the ``state_dict`` clone time per GB of rank 0's local
   parameters (target <= 2x; the old driver-side export measured 6.2x at TP=2, benchmarks/RESULTS.md).
 
+``--train``: instead, two 2-step ``megatron-arpo train`` runs of configs/test-e2e.yaml (tiny Qwen3, the
+e2e task, ``trainer.placement: separate``, a local Ray) with a TP=1 and a TP=2 engine (vLLM's ``mp``
+executor on CPU), side by side: rewards per step, and the engine/actor log-prob difference on the
+sampled tokens (``rollout/logprob_abs_diff``: it stays small only if every sync reached every worker).
+
     python benchmarks/sync.py [--hidden 1024 --layers 8 --bucket-mb 64 --repeats 3 --tp 1 2]
+    python benchmarks/sync.py --train
 """
 
 from __future__ import annotations
@@ -141,6 +147,41 @@ def bench_tp(model_yaml: str, tp: int, args) -> dict:
             "rows": rows}
 
 
+def train_runs(engine_tps, root: Path) -> dict:
+    """Two-step training runs, one per engine TP; their metrics rows."""
+    import json
+    import subprocess
+
+    sys.path.insert(0, str(REPO / "tests" / "e2e"))
+    from train_helpers import read_rows, train_command, train_env, write_task
+
+    from megatron_arpo.testing import tiny_checkpoint
+
+    hf_dir = tiny_checkpoint("tiny-qwen3")
+    data = write_task(root)
+    out = {}
+    for tp in engine_tps:
+        run_dir = root / f"run-tp{tp}"
+        cmd = train_command(str(hf_dir), data, run_dir, "trainer.placement=separate", "trainer.actor_devices=2",
+                            f"trainer.rollout_devices={tp}", f"rollout.tensor_parallel={tp}", "trainer.val_every=0",
+                            f"launcher.num_cpus={2 + tp}", "logging.wandb.mode=disabled")
+        log = root / f"train-tp{tp}.log"
+        start = time.perf_counter()
+        with open(log, "w") as fh:
+            proc = subprocess.run(cmd, cwd=REPO, env=train_env(data), stdout=fh, stderr=subprocess.STDOUT,
+                                  timeout=1800)
+        if proc.returncode != 0:
+            raise RuntimeError(f"engine TP={tp}: train exited {proc.returncode}; see {log}:\n"
+                               + log.read_text()[-3000:])
+        out[tp] = {"rows": read_rows(run_dir), "wall_s": time.perf_counter() - start}
+        print(f"engine TP={tp}: {json.dumps([{k: r.get(k) for k in TRAIN_KEYS} for r in out[tp]['rows']])}")
+    return out
+
+
+TRAIN_KEYS = ("step", "reward/mean", "rollout/logprob_abs_diff", "rollout/generated_tokens_per_s", "sync/seconds",
+              "sync/verified", "sync/driver_weight_bytes")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hidden", type=int, default=1024)
@@ -148,7 +189,18 @@ def main(argv=None) -> int:
     parser.add_argument("--bucket-mb", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--train", action="store_true", help="the 2-step training runs with a TP=1 and a TP=2 engine")
     args = parser.parse_args(argv)
+    if args.train:
+        with tempfile.TemporaryDirectory() as tmp:
+            runs = train_runs(args.tp, Path(tmp))
+        print("\n| engine TP | step | reward/mean | rollout/logprob_abs_diff | sync s | verified | driver weight bytes |")
+        print("|---|---|---|---|---|---|---|")
+        for tp, run in runs.items():
+            for r in run["rows"]:
+                print(f"| {tp} | {r['step']} | {r['reward/mean']:.4f} | {r['rollout/logprob_abs_diff']:.2e} | "
+                      f"{r['sync/seconds']:.3f} | {r['sync/verified']:.0f} | {r['sync/driver_weight_bytes']:.0f} |")
+        return 0
 
     import ray
 

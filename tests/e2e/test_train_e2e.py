@@ -2,8 +2,8 @@
 
 Real everything: Megatron actor at TP=2 (two Ray actors, gloo), one vLLM engine actor in its own
 resource pool (``trainer.placement: separate``; the resume test covers ``colocated``), a frozen reference group for
-the KL term, the python sandbox and local BM25 search tools, weight sync through the Ray object store with
-verification, validation, checkpoints, wandb (offline), and the final HF export. The trainer runs as a
+the KL term, the python sandbox and local BM25 search tools, weight sync from the actor ranks into the
+engine (gloo weight-transfer engine) with verification, validation, checkpoints, wandb (offline), and the final HF export. The trainer runs as a
 subprocess joining the cluster with RAY_ADDRESS, as the launchers start it.
 """
 
