@@ -9,8 +9,9 @@ number of micro-batches. Packed rows are as wide as the longest sequence by defa
 them, up to one row per micro-batch), which bounds the s^2 cost of the dense masked attention of the local
 spec.
 
-Part 2 (export): a wider random model (``--export-hidden``, ``--export-layers``), ``export_weights`` with
-512 MB buckets (HF names, TP gather, PP walk through the conversion tables) against
+Part 2 (export): a wider random model (``--export-hidden``, ``--export-layers``), the HF export path
+``iter_weight_buckets`` with 512 MB buckets (HF names, TP gather, PP walk through the conversion tables;
+the weight sync to the engines is measured by benchmarks/sync.py) against
 ``{k: v.clone() for k, v in model.state_dict().items()}`` in the same process, as seconds per GB.
 
     python benchmarks/actor.py [--world 1 --tp 1] [--num-seqs 64 --budget 2048 --repeats 3]
@@ -101,11 +102,9 @@ def _export_rank(rank, world_size, args):
     for _ in range(args.repeats):
         torch.distributed.barrier()
         start = time.perf_counter()
-        buckets = worker.export_weights(512 * 2**20)
+        exported = sum(t.numel() * t.element_size() for b in worker.iter_weight_buckets(512 * 2**20) for _, t in b)
         torch.distributed.barrier()
         export_s.append(time.perf_counter() - start)
-        exported = sum(t.numel() * t.element_size() for b in buckets for _, t in b)
-        del buckets
         start = time.perf_counter()
         copy = {k: v.clone() for k, v in worker.model.state_dict().items() if isinstance(v, torch.Tensor)}
         copy_s.append(time.perf_counter() - start)
@@ -154,7 +153,7 @@ def main(argv=None) -> int:
     print()
     print("| path | seconds | s/GB |")
     print("|---|---|---|")
-    print(f"| export_weights (512 MB buckets, HF names) | {export[0]['export_s']:.3f} | {export[0]['export_s'] / gb:.3f} |")
+    print(f"| iter_weight_buckets (512 MB buckets, HF names) | {export[0]['export_s']:.3f} | {export[0]['export_s'] / gb:.3f} |")
     print(f"| state_dict clone (rank 0, {local_gb:.2f} GB local) | {export[0]['copy_s']:.3f} | "
           f"{export[0]['copy_s'] / local_gb:.3f} |")
     print(f"\nexport / copy time per GB: {(export[0]['export_s'] / gb) / (export[0]['copy_s'] / local_gb):.2f}x")
