@@ -10,5 +10,8 @@ Modules (each imports its heavy dependencies itself; importing this package impo
   shared with evaluation and the SFT data).
 - ``scheduler``: ``RolloutScheduler``/``RolloutOptions`` — ARPO/AEPO branching without round barriers.
 - ``trajectory``: records, JSONL save/load, ``records_to_batch`` replay into training tensors.
-- ``weight_sync``: ``sync_weights`` with object-store / CUDA-IPC / NCCL transports and ``verify_sync``.
+- ``weight_sync``: what the two halves of the weight sync agree on (bucket layout, verify sample, transports,
+  the driver's engine calls); ``weight_sender`` (actor side: gloo / NCCL / IPC senders, `LocalSync` for
+  tests and benchmarks); ``weight_receiver`` (engine side: vLLM weight-transfer engines); ``vllm_plugin``
+  (registers the receivers in every vLLM process).
 """
