@@ -162,7 +162,8 @@ def test_megatron_tp2_on_two_nodes_matches_hf(ray_two_nodes, tmp_path):
     hf_dir = str(tiny_checkpoint("tiny-qwen3"))
     cfg = make_config(model={"config": "tiny-qwen3", "hf_checkpoint": hf_dir},
                       actor={"tensor_parallel": 2, "pipeline_parallel": 1, "data_parallel": 1,
-                             "params_dtype": "fp32", "use_te": "false", "use_distributed_optimizer": False})
+                             "params_dtype": "fp32", "use_te": "false", "use_distributed_optimizer": False},
+                      rollout={"response_length": 512, "sync_bucket_mb": 1})
     group = ActorGroup(cfg, strategy="STRICT_SPREAD", env=LOOPBACK_ENV)
     try:
         assert len({p.node_id for p in group.placement}) == 2  # TP ranks on both raylets
