@@ -9,8 +9,9 @@ moves its optimizer state (bitwise restore: tests/dist/test_actor_offload.py). A
 - to ``train``: the engines sleep before the actor onloads; a sleeping engine refuses a request, and
   weight loads while its weights sleep;
 - after an update, to ``rollout``: the actor offloads first (its grad buffers and optimizer state then
-  hold 0 bytes on the device), the engines wake their weights, the sync loads every bucket and drops the
-  prefix cache, and only then the KV cache wakes; the engine then generates with the updated weights
+  hold 0 bytes on the device), the engines wake their weights, the sync (the actor rank sends, the
+  driver starts and finishes the engines' update) loads every bucket and drops the prefix cache, and
+  only then the KV cache wakes; the engine then generates with the updated weights
   (its log-probs are the actor's);
 - both switches are idempotent; with both options off the switch to ``train`` makes no call and the
   switch to ``rollout`` is the sync alone.
@@ -98,7 +99,8 @@ def parts(ray_single_node, tmp_path_factory):  # noqa: F811
     hf_dir = str(tiny_checkpoint("tiny-qwen3"))
     cfg = make_config(sleep=True, offload=True)
     engine_cfg = EngineConfig.from_rollout_section(hf_dir, cfg.rollout, dtype="float32", max_model_len=256,
-                                                   block_size=32, enforce_eager=True, cpu_omp_threads_bind="nobind")
+                                                   block_size=32, enforce_eager=True, cpu_omp_threads_bind="nobind",
+                                                   weight_transfer="gloo")
     assert engine_cfg.enable_sleep_mode  # from rollout.enable_sleep_mode; on CPU not handed to vLLM
     engine = create_engine_actor(engine_cfg, num_cpus=1, env={"PYTHONPATH": str(REPO)})
     group = ActorGroup(cfg, hf_dir=hf_dir, num_cpus_per_rank=1, env={"GLOO_SOCKET_IFNAME": "lo"}, total_steps=4)
@@ -110,7 +112,6 @@ def parts(ray_single_node, tmp_path_factory):  # noqa: F811
 
 def make_runtime(cfg, engine, group, run_dir, log):
     from megatron_arpo.rollout.group import RolloutGroup
-    from megatron_arpo.rollout.weight_sync import RayObjectStoreTransport
     from megatron_arpo.trainer.phases import PhaseState
     from megatron_arpo.trainer.runtime import Runtime
 
@@ -118,7 +119,7 @@ def make_runtime(cfg, engine, group, run_dir, log):
     rt.engines = [LoggedEngine(engine, log)]
     rt.group = RolloutGroup(rt.engines)
     rt.actor = LoggedActor(group, log)
-    rt.transport = RayObjectStoreTransport()
+    rt.transport = "gloo"
     rt.tied_embeddings = True  # tiny-qwen3
     rt.phases = PhaseState.from_config(cfg)
     return rt
@@ -177,10 +178,14 @@ def test_the_colocated_switch_orders_sleep_offload_wake_and_sync(parts):
         order = names(log)
         assert order[0] == "actor.offload_state", order
         assert order[1] == "engine.wake_up" and log[1][1] == (["weights"],), log[:2]
-        assert order[2] == "actor.export_weights", order
-        loads = [i for i, n in enumerate(order) if n == "engine.load_weight_bucket"]
-        reset = order.index("engine.reset_prefix_cache")
-        assert loads and max(loads) < reset < len(order) - 1, order
+        # The sync: the driver opens the transfer (first time), starts the update, the actor rank sends the
+        # buckets into the engine itself (not through this log: no weight byte passes the driver), the
+        # driver finishes the update and drops the prefix cache; only then the KV cache wakes.
+        assert order[2] == "actor.sync_weights", order
+        assert order[3:-1] in (["engine.start_weight_update", "engine.finish_weight_update", "engine.reset_prefix_cache"],
+                               ["engine.weight_transfer_info", "engine.init_weight_transfer_engine",
+                                "engine.start_weight_update", "engine.finish_weight_update", "engine.reset_prefix_cache"]), order
+        assert metrics["sync/buckets"] >= 1 and metrics["sync/driver_weight_bytes"] == 0
         assert order[-1] == "engine.wake_up" and log[-1][1] == (["kv_cache"],), order
         assert metrics["phase/offload_grad_gib"] > 0 and metrics["phase/offload_optimizer_gib"] > 0
         assert {"phase/offload_s", "phase/wake_weights_s", "phase/wake_kv_cache_s", "sync/seconds"} <= metrics.keys()
@@ -217,7 +222,7 @@ def test_without_sleep_and_offload_the_switch_is_the_sync_alone(parts):
         rt.phases.weights_stale = True
         metrics = switch_phase(rt, "rollout")
         assert "actor.offload_state" not in names(log) and "engine.wake_up" not in names(log)
-        assert names(log)[0] == "actor.export_weights" and "sync/seconds" in metrics
+        assert names(log)[0] == "actor.sync_weights" and "sync/seconds" in metrics
         with pytest.raises(ValueError, match=r"unknown phase 'update'; allowed: \('rollout', 'train'\)"):
             switch_phase(rt, "update")
     finally:
