@@ -55,6 +55,8 @@ class LoggedEngine:
         self._handle, self._log = handle, log
 
     def __getattr__(self, name):
+        if name.startswith("_"):  # pickling looks up dunders (the sync hands the engines to the actor rank)
+            raise AttributeError(name)
         return _Remote(getattr(self._handle, name), f"engine.{name}", self._log)
 
 
