@@ -187,8 +187,9 @@ def test_megatron_tp2_on_two_nodes_matches_hf(ray_two_nodes, tmp_path):
         assert report["driver_weight_bytes"] == 0 and 0 < report["driver_bytes"] < 64 * 1024
         assert report["verified_after_load"] and set(report["verified_after_load"]) == set(report["sampled"])
 
-        ray.kill(engines[1])
-        with pytest.raises(WeightSyncError, match=r"^weight sync: engine 1 died during start_weight_update"):
+        ray.kill(engines[1])  # asynchronous: the death shows at the start or at the first bucket
+        with pytest.raises(WeightSyncError, match=r"^weight sync: engine 1 died during (start_weight_update|"
+                                                  r"bucket 0 of stage 0 \(sync \d+\)) \(\w+Error"):
             group.sync_weights(engines)
 
         # One PPO update through the group moves the weights; a checkpoint restores the updated ones.
