@@ -1,15 +1,12 @@
-"""Model architecture configs (``model_configs/*.yaml``) and the registry of supported model families.
+"""Model architecture configs (``model_configs/*.yaml``): loading, validation, and the HF ``config.json`` side.
 
 A model YAML carries the exact Hugging Face architecture fields of one checkpoint (``hidden_size``,
-``head_dim``, ...) plus default parallelism for its size. This module is pure Python: it loads and
-validates those files, compares them with an HF ``config.json`` and renders a ``config.json`` back.
-Mapping a model config onto Megatron's ``TransformerConfig`` happens in exactly one place,
-``megatron_arpo.actor.model_builder.build_transformer_config``, which dispatches on the same
-``MODEL_FAMILIES`` registry.
-
-The registry is keyed by the exact HF ``model_type`` (``qwen3``, ``qwen2``); a miss raises listing the
-supported types. Fields a family fixes (Qwen3 always has q/k layernorm, Qwen2 always has QKV bias) are
-recorded in the family, so an HF config that omits them is still checked.
+``head_dim``, ``rope_scaling``, ...) plus default parallelism for its size. This module is pure Python: it
+loads and validates those files, compares them with an HF ``config.json`` and renders a ``config.json``
+back. What differs between families (fields a family fixes, keys config.json leaves implicit, RoPE scaling
+types) comes from the family's module, found in :mod:`megatron_arpo.models.registry` by the exact HF
+``model_type``; this module has no per-family branch. Mapping a model config onto Megatron's
+``TransformerConfig`` happens in exactly one place, ``megatron_arpo.actor.model_builder``.
 """
 
 from __future__ import annotations
@@ -18,114 +15,64 @@ import dataclasses
 import difflib
 import json
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
 import yaml
 
+from megatron_arpo.models.config import ModelConfig, ParallelDefaults, RopeScaling
+from megatron_arpo.models.registry import get_family
+
+__all__ = ["ARCH_FIELDS", "MODEL_CONFIG_DIR", "ModelConfig", "ParallelDefaults", "RopeScaling", "check_hf_config",
+           "hf_config_dict", "layout_errors", "load_model_config", "model_config_from_dict", "model_config_from_hf",
+           "read_hf_config", "resolve_model_config_path", "tensor_parallel_choices"]
+
 MODEL_CONFIG_DIR = Path(__file__).resolve().parent.parent / "model_configs"
 
 
-@dataclass(frozen=True)
-class ModelFamily:
-    """What one HF ``model_type`` implies beyond the fields its config.json spells out."""
-
-    model_type: str
-    hf_architecture: str
-    # Values the HF config class assumes when the key is absent from config.json.
-    implicit_fields: Mapping[str, Any]
-    # Keys written to config.json that are not architecture fields but that HF expects.
-    extra_hf_fields: Mapping[str, Any]
+ROPE_TYPES = ("llama3",)
 
 
-MODEL_FAMILIES: Mapping[str, ModelFamily] = {
-    "qwen3": ModelFamily(
-        model_type="qwen3",
-        hf_architecture="Qwen3ForCausalLM",
-        implicit_fields={"qk_layernorm": True, "attention_bias": False},
-        extra_hf_fields={"attention_dropout": 0.0, "rope_scaling": None, "sliding_window": None,
-                         "use_sliding_window": False, "use_cache": True, "initializer_range": 0.02},
-    ),
-    "qwen2": ModelFamily(
-        model_type="qwen2",
-        hf_architecture="Qwen2ForCausalLM",
-        # Qwen2 always has bias on q/k/v projections and never q/k layernorm; its config.json has no
-        # attention_bias key, and head_dim is hidden_size // num_attention_heads.
-        implicit_fields={"qk_layernorm": False, "attention_bias": True},
-        extra_hf_fields={"attention_dropout": 0.0, "rope_scaling": None, "use_sliding_window": False,
-                         "use_cache": True, "initializer_range": 0.02},
-    ),
-}
-
-
-def get_model_family(model_type: str) -> ModelFamily:
-    try:
-        return MODEL_FAMILIES[model_type]
-    except KeyError:
-        raise ValueError(
-            f"unsupported model_type {model_type!r}; supported model types: {sorted(MODEL_FAMILIES)}"
-        ) from None
-
-
-@dataclass(frozen=True)
-class ParallelDefaults:
-    """Default parallelism for a model of this size (overridable in the experiment config)."""
-
-    actor_tensor_parallel: int = 1
-    actor_pipeline_parallel: int = 1
-    rollout_tensor_parallel: int = 1
+def rope_scaling_from_dict(data: Any, where: str) -> RopeScaling | None:
+    """Validate a ``rope_scaling`` mapping (YAML, or HF with the legacy ``type`` key); ``None`` for plain RoPE."""
+    if data is None:
+        return None
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{where}: rope_scaling must be a mapping or null, got {data!r}")
+    data = dict(data)
+    if "type" in data and "rope_type" not in data:
+        data["rope_type"] = data.pop("type")
+    data.pop("rope_theta", None)  # transformers >= 5 keeps rope_theta inside rope_parameters
+    rope_type = data.get("rope_type", "default")
+    if rope_type == "default" and set(data) <= {"rope_type"}:
+        return None
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"{where}: rope_scaling.rope_type {rope_type!r} is not supported; supported: "
+                         f"{list(ROPE_TYPES)} (or rope_scaling: null for plain RoPE)")
+    names = [f.name for f in dataclasses.fields(RopeScaling)]
+    missing = [k for k in names if k not in data]
+    unknown = [k for k in data if k not in names]
+    if missing or unknown:
+        raise ValueError(f"{where}: rope_scaling of type {rope_type!r} needs exactly the keys {names}; "
+                         f"missing {missing}, unknown {unknown}")
+    values = {"rope_type": rope_type}
+    for key in names[1:-1]:
+        values[key] = _expect_type(where, f"rope_scaling.{key}", data[key], float)
+    values[names[-1]] = _expect_type(where, f"rope_scaling.{names[-1]}", data[names[-1]], int)
+    rope = RopeScaling(**values)
+    if rope.factor < 1 or rope.original_max_position_embeddings < 1 or not (
+            0 < rope.low_freq_factor < rope.high_freq_factor):
+        raise ValueError(f"{where}: rope_scaling needs factor >= 1, original_max_position_embeddings >= 1 and "
+                         f"0 < low_freq_factor < high_freq_factor; got {rope.to_hf()}")
+    return rope
 
 
 # The fields compared against an HF config.json, in the order mismatches are reported.
 ARCH_FIELDS = (
     "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
     "head_dim", "intermediate_size", "vocab_size", "rms_norm_eps", "rope_theta",
-    "max_position_embeddings", "tie_word_embeddings", "attention_bias", "qk_layernorm",
+    "max_position_embeddings", "rope_scaling", "tie_word_embeddings", "attention_bias", "qk_layernorm",
 )
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """The architecture of one model, with HF field names."""
-
-    name: str
-    model_type: str
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    attention_bias: bool
-    qk_layernorm: bool
-    hidden_act: str = "silu"
-    torch_dtype: str = "bfloat16"
-    bos_token_id: int | None = None
-    eos_token_id: int | None = None
-    # Megatron pads the embedding rows to a multiple of this times the tensor-parallel size.
-    make_vocab_size_divisible_by: int = 128
-    defaults: ParallelDefaults = field(default_factory=ParallelDefaults)
-
-    @property
-    def family(self) -> ModelFamily:
-        return get_model_family(self.model_type)
-
-    @property
-    def num_query_groups(self) -> int:
-        return self.num_key_value_heads
-
-    def padded_vocab_size(self, tensor_parallel: int = 1) -> int:
-        multiple = self.make_vocab_size_divisible_by * tensor_parallel
-        return -(-self.vocab_size // multiple) * multiple
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 def _expect_type(where: str, key: str, value: Any, kind: type) -> Any:
@@ -157,6 +104,9 @@ def model_config_from_dict(data: Mapping[str, Any], where: str = "model config")
         raise ValueError(f"{where}: missing required key(s) {missing}")
     kwargs: dict[str, Any] = {}
     for name, value in data.items():
+        if name == "rope_scaling":
+            kwargs[name] = rope_scaling_from_dict(value, where)
+            continue
         if name == "defaults":
             value = value or {}
             dfields = {f.name for f in dataclasses.fields(ParallelDefaults)}
@@ -176,7 +126,7 @@ def model_config_from_dict(data: Mapping[str, Any], where: str = "model config")
             continue
         kwargs[name] = _expect_type(where, name, value, kind) if kind else value
     cfg = ModelConfig(**kwargs)
-    family = get_model_family(cfg.model_type)
+    family = get_family(cfg.model_type)
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                 "head_dim", "intermediate_size", "vocab_size", "max_position_embeddings",
                 "make_vocab_size_divisible_by"):
@@ -189,18 +139,7 @@ def model_config_from_dict(data: Mapping[str, Any], where: str = "model config")
         )
     if not 0 < cfg.rms_norm_eps < 1:
         raise ValueError(f"{where}: rms_norm_eps must be in (0, 1), got {cfg.rms_norm_eps}")
-    for key, implied in family.implicit_fields.items():
-        if getattr(cfg, key) != implied:
-            raise ValueError(
-                f"{where}: model_type {cfg.model_type!r} always has {key}={implied}, but the config says "
-                f"{getattr(cfg, key)}; set {key}: {str(implied).lower()}"
-            )
-    if cfg.model_type == "qwen2" and cfg.head_dim * cfg.num_attention_heads != cfg.hidden_size:
-        raise ValueError(
-            f"{where}: qwen2 derives head_dim from hidden_size/num_attention_heads = "
-            f"{cfg.hidden_size // cfg.num_attention_heads}, but head_dim is {cfg.head_dim}; set head_dim: "
-            f"{cfg.hidden_size // cfg.num_attention_heads}"
-        )
+    family.check(cfg, where)
     if cfg.hidden_act != "silu":
         raise ValueError(f"{where}: hidden_act {cfg.hidden_act!r} is not supported; allowed: ['silu']")
     return cfg
@@ -227,20 +166,24 @@ def load_model_config(name_or_path: str | os.PathLike) -> ModelConfig:
 
 def model_config_from_hf(hf_config: Mapping[str, Any], name: str = "hf") -> ModelConfig:
     """Read the architecture fields of an HF ``config.json`` dict, filling what the family implies."""
-    family = get_model_family(hf_config.get("model_type", "<missing>"))
+    family = get_family(hf_config.get("model_type", "<missing>"))
+    where = f"HF config ({name})"
+    family.check_hf_values(hf_config, where)
     hf_config = dict(hf_config)
-    # transformers >= 5 writes rope_theta inside rope_parameters and torch_dtype as dtype.
+    # transformers >= 5 writes rope_theta (and the scaling) inside rope_parameters, torch_dtype as dtype.
     rope = hf_config.get("rope_parameters") or {}
     if "rope_theta" not in hf_config and "rope_theta" in rope:
         hf_config["rope_theta"] = rope["rope_theta"]
-    if rope.get("rope_type", "default") != "default" or hf_config.get("rope_scaling"):
-        raise ValueError(f"HF config ({name}) uses rope scaling {rope or hf_config.get('rope_scaling')}; "
-                         "only default RoPE is supported")
+    if hf_config.get("rope_scaling") is None and rope:
+        hf_config["rope_scaling"] = rope
+    hf_config["rope_scaling"] = rope_scaling_from_dict(hf_config.get("rope_scaling"), where)
     if "torch_dtype" not in hf_config and "dtype" in hf_config:
         hf_config["torch_dtype"] = hf_config["dtype"]
     data: dict[str, Any] = {"name": name}
     for key in ARCH_FIELDS:
-        if key in hf_config and key != "qk_layernorm":
+        if key == "rope_scaling":
+            data[key] = None if hf_config[key] is None else dataclasses.asdict(hf_config[key])
+        elif key in hf_config and key != "qk_layernorm":
             data[key] = hf_config[key]
         elif key in family.implicit_fields:
             data[key] = family.implicit_fields[key]
@@ -275,20 +218,17 @@ def check_hf_config(model_cfg: ModelConfig, hf_config: Mapping[str, Any], hf_whe
 
 def hf_config_dict(model_cfg: ModelConfig) -> dict[str, Any]:
     """The ``config.json`` transformers and vLLM expect for this architecture."""
-    family = model_cfg.family
+    family = get_family(model_cfg.model_type)
     out: dict[str, Any] = {"architectures": [family.hf_architecture], "model_type": model_cfg.model_type}
     for key in ARCH_FIELDS:
-        if key in ("model_type", "qk_layernorm"):
+        if key in ("model_type", "qk_layernorm") or key in family.hf_omitted_fields:
             continue
-        if key == "attention_bias" and model_cfg.model_type == "qwen2":
-            continue  # Qwen2Config has no such key; the bias is implied
         out[key] = getattr(model_cfg, key)
+    out["rope_scaling"] = model_cfg.rope_scaling.to_hf() if model_cfg.rope_scaling else None
     out.update(hidden_act=model_cfg.hidden_act, torch_dtype=model_cfg.torch_dtype,
-               bos_token_id=model_cfg.bos_token_id, eos_token_id=model_cfg.eos_token_id,
-               max_window_layers=model_cfg.num_hidden_layers)
+               bos_token_id=model_cfg.bos_token_id, eos_token_id=model_cfg.eos_token_id)
     out.update(family.extra_hf_fields)
-    if model_cfg.model_type == "qwen2":
-        out["sliding_window"] = model_cfg.max_position_embeddings
+    out.update(family.derived_hf_fields(model_cfg))
     return out
 
 

@@ -1,16 +1,20 @@
 """Build Megatron-Core GPT models from a model config (``model_configs/*.yaml``).
 
 This is the only place that constructs Megatron's ``TransformerConfig``
-(:func:`build_transformer_config`). Family-specific choices come from ``ARCHITECTURES``, a registry keyed
-by the exact HF ``model_type`` (``qwen3``, ``qwen2``); a miss raises listing the supported types.
+(:func:`build_transformer_config`). What differs between model families (``qk_layernorm``,
+``add_qkv_bias``) is data in the family's module (``megatron_arpo/models/<model_type>.py``,
+``FAMILY.transformer_config``), found by the exact HF ``model_type``; nothing here branches on a family.
+``kv_channels`` is always set from ``head_dim`` (Qwen3's 128 is not ``hidden_size / num_attention_heads``
+for 0.6B, 4B, 14B, 32B).
 
-- ``qwen3``: q/k RMSNorm (``qk_layernorm``), no QKV bias, explicit ``head_dim`` (128 for every Qwen3 size,
-  which is not ``hidden_size / num_attention_heads`` for 0.6B, 4B, 14B, 32B: ``kv_channels`` is always
-  set from ``head_dim``).
-- ``qwen2`` (QwQ-32B): QKV bias, no q/k norm.
-
-Both: RMSNorm, SwiGLU MLP (``gated_linear_unit`` + silu), no other linear bias, RoPE with
-``rotary_base = rope_theta``, grouped-query attention, no dropout.
+Every family: RMSNorm, SwiGLU MLP (``gated_linear_unit`` + silu), no other linear bias, RoPE with
+``rotary_base = rope_theta``, grouped-query attention, no dropout. RoPE scaling of type ``llama3``
+(``rope_scaling`` in the model config): Megatron 0.16's ``RotaryEmbedding`` takes only ``rope_scaling``
+(a switch) and ``rope_scaling_factor`` and applies its own defaults for the other three parameters
+(``low_freq_factor=1``, ``high_freq_factor=4``, ``original_max_position_embeddings=8192``), so
+:func:`apply_rope_scaling` recomputes the inverse frequencies with Megatron's own ``_apply_scaling`` and
+every parameter of the config after the model is built (the logits parity tests use a tiny Llama whose
+parameters differ from those defaults, so a dropped parameter fails them).
 
 Layer specs: on CPU the local spec (pure Megatron modules, torch RMSNorm); on GPU, when Transformer Engine
 is importable, the TE spec. ``use_te=None`` picks TE exactly when it is importable and CUDA is available;
@@ -66,46 +70,13 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import logging
-from dataclasses import dataclass
-from typing import Mapping
-
 import torch
 import torch.nn.functional as F
 
 from megatron_arpo.model_config import ModelConfig, layout_errors
+from megatron_arpo.models.registry import get_family
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Architecture:
-    """What a model family needs from Megatron beyond the shared Qwen-style fields."""
-
-    qk_layernorm: bool
-    add_qkv_bias: bool
-
-
-ARCHITECTURES: Mapping[str, Architecture] = {
-    "qwen3": Architecture(qk_layernorm=True, add_qkv_bias=False),
-    "qwen2": Architecture(qk_layernorm=False, add_qkv_bias=True),
-}
-
-
-def get_architecture(model_cfg: ModelConfig) -> Architecture:
-    try:
-        arch = ARCHITECTURES[model_cfg.model_type]
-    except KeyError:
-        raise ValueError(
-            f"model config {model_cfg.name!r}: unsupported model_type {model_cfg.model_type!r}; "
-            f"supported model types: {sorted(ARCHITECTURES)}"
-        ) from None
-    if (model_cfg.qk_layernorm, model_cfg.attention_bias) != (arch.qk_layernorm, arch.add_qkv_bias):
-        raise ValueError(
-            f"model config {model_cfg.name!r}: model_type {model_cfg.model_type!r} needs qk_layernorm="
-            f"{arch.qk_layernorm} and attention_bias={arch.add_qkv_bias}, got qk_layernorm="
-            f"{model_cfg.qk_layernorm} and attention_bias={model_cfg.attention_bias}"
-        )
-    return arch
 
 
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -171,7 +142,7 @@ def build_transformer_config(
     from megatron.core.transformer.enums import AttnBackend
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    arch = get_architecture(model_cfg)
+    family = get_family(model_cfg.model_type)
     use_te = resolve_use_te(use_te)
     if params_dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"params_dtype {params_dtype} is not supported; use torch.float32, bfloat16 or float16")
@@ -196,8 +167,7 @@ def build_transformer_config(
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=arch.add_qkv_bias,
-        qk_layernorm=arch.qk_layernorm,
+        **family.transformer_config,  # qk_layernorm, add_qkv_bias
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tensor_parallel,
@@ -234,10 +204,10 @@ def get_layer_spec(model_cfg: ModelConfig, use_te: bool | None = None):
     from megatron.core.models.gpt import gpt_layer_specs
     from megatron.core.transformer.identity_op import IdentityOp
 
-    arch = get_architecture(model_cfg)
+    qk_layernorm = get_family(model_cfg.model_type).transformer_config["qk_layernorm"]
     if resolve_use_te(use_te):
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_layernorm)
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=arch.qk_layernorm, normalization="RMSNorm")
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm")
     attn = spec.submodules.self_attention
     attn_sub = dataclasses.replace(
         attn.submodules, **{k: TorchRMSNorm for k in ("q_layernorm", "k_layernorm")
@@ -295,7 +265,7 @@ def build_gpt_model(
         pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=True)
     if post_process is None:
         post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
-    return GPTModel(
+    model = GPTModel(
         config=config,
         transformer_layer_spec=get_decoder_spec(model_cfg, config, use_te),
         vocab_size=model_cfg.padded_vocab_size(tensor_parallel),
@@ -306,6 +276,33 @@ def build_gpt_model(
         position_embedding_type="rope",
         rotary_base=int(model_cfg.rope_theta),
     )
+    apply_rope_scaling(model, model_cfg)
+    return model
+
+
+def apply_rope_scaling(model, model_cfg: ModelConfig) -> None:
+    """Give the model's RoPE the inverse frequencies of ``model_cfg.rope_scaling`` (all four parameters).
+
+    Megatron's ``GPTModel(rope_scaling=True, rope_scaling_factor=f)`` would drop ``low_freq_factor``,
+    ``high_freq_factor`` and ``original_max_position_embeddings`` (it uses Llama 3.1's values whatever the
+    config says); here its ``_apply_scaling`` is called with each of them, on the unscaled frequencies.
+    """
+    rope = model_cfg.rope_scaling
+    if rope is None:
+        return
+    if rope.rope_type != "llama3":
+        raise ValueError(f"model config {model_cfg.name!r}: rope_scaling.rope_type {rope.rope_type!r} has no "
+                         f"Megatron implementation here; supported: ['llama3']")
+    rotary = model.rotary_pos_emb
+    # RotaryEmbedding.forward is lru-cached (class-wide, keyed by instance and length): drop stale entries.
+    if hasattr(type(rotary).forward, "cache_clear"):
+        type(rotary).forward.cache_clear()
+    dim = model_cfg.head_dim
+    base = 1.0 / (model_cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32,
+                                                        device=rotary.inv_freq.device) / dim))
+    rotary.inv_freq = rotary._apply_scaling(
+        base, factor=rope.factor, low_freq_factor=rope.low_freq_factor, high_freq_factor=rope.high_freq_factor,
+        original_max_position_embeddings=rope.original_max_position_embeddings)
 
 
 def place_model(model, config):

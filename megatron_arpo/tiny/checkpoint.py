@@ -1,4 +1,4 @@
-"""Deterministic tiny Hugging Face checkpoints (Qwen3 / Qwen2) for tests and the demo.
+"""Deterministic tiny Hugging Face checkpoints (any registered model family) for tests and the demo.
 
 No hub downloads are possible here, so every test and the demo builds its model locally:
 ``build_tiny_checkpoint("tiny-qwen3", out_dir, seed=0)`` writes a directory that
@@ -9,8 +9,8 @@ No hub downloads are possible here, so every test and the demo builds its model 
 - ``generation_config.json`` with bos/pad ``<|endoftext|>`` and eos ``[<|im_end|>, <|endoftext|>]`` as in
   Qwen3's release (no sampling defaults: vLLM would adopt them as its default sampling parameters);
 - ``model.safetensors``: weights drawn from one ``torch.Generator`` seeded with ``seed``, in the fixed order
-  of :func:`weight_specs` — linear/embedding weights ~ N(0, 0.02), Qwen2's q/k/v biases ~ N(0, 0.02) (not
-  zero, so the bias path is exercised). RMSNorm and q/k-norm weights are 1 + 0.1 * N(0, 1), drawn from a
+  of :func:`weight_specs` (names and shapes from the family's mapping table) — linear/embedding weights
+  ~ N(0, 0.02), Qwen2's q/k/v biases ~ N(0, 0.02) (not zero, so the bias path is exercised). RMSNorm and q/k-norm weights are 1 + 0.1 * N(0, 1), drawn from a
   second generator (seed + :data:`NORM_SEED_OFFSET`): not all 1.0, so a mapping that swaps two norms
   (q_norm <-> k_norm, input <-> post-attention) changes the logits and fails the parity tests, yet near
   1.0 so the model behaves as an initialised one; the other weights are the same values as with unit
@@ -26,7 +26,8 @@ directory appears atomically (built in a temporary sibling, then renamed).
 
 :func:`tiny_checkpoint` caches builds under ``$MEGATRON_ARPO_CACHE/tiny`` (default ``<repo>/.cache/tiny``),
 keyed by config name, seed and a hash of everything that determines the bytes (the model config, the
-source of this module, of the tokenizer module and of ``model_config.py``, and the torch/tokenizers/
+source of this module, of the tokenizer module, of ``model_config.py`` and of the family modules in
+``megatron_arpo/models/``, and the torch/tokenizers/
 safetensors versions). Stale entries are never deleted automatically; ``rm -rf .cache/tiny`` is safe.
 """
 
@@ -44,6 +45,7 @@ from typing import Iterator
 
 from megatron_arpo.fsutil import fsync_path
 from megatron_arpo.model_config import ModelConfig, hf_config_dict, load_model_config
+from megatron_arpo.models.registry import get_family
 from megatron_arpo.tiny.tokenizer import build_tokenizer, dump_json, write_bytes_atomic
 
 logger = logging.getLogger(__name__)
@@ -53,39 +55,22 @@ NORM_STD = 0.1
 NORM_SEED_OFFSET = 1_000_003
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
-# Per-layer tensors: (HF name suffix, shape as a function of the config, init). "bias" tensors exist only
-# when the config has attention_bias, "qk_norm" ones only with qk_layernorm.
-_LAYER_SPECS = (
-    ("input_layernorm.weight", lambda c: (c.hidden_size,), "norm"),
-    ("self_attn.q_proj.weight", lambda c: (c.num_attention_heads * c.head_dim, c.hidden_size), "normal"),
-    ("self_attn.q_proj.bias", lambda c: (c.num_attention_heads * c.head_dim,), "bias"),
-    ("self_attn.k_proj.weight", lambda c: (c.num_key_value_heads * c.head_dim, c.hidden_size), "normal"),
-    ("self_attn.k_proj.bias", lambda c: (c.num_key_value_heads * c.head_dim,), "bias"),
-    ("self_attn.v_proj.weight", lambda c: (c.num_key_value_heads * c.head_dim, c.hidden_size), "normal"),
-    ("self_attn.v_proj.bias", lambda c: (c.num_key_value_heads * c.head_dim,), "bias"),
-    ("self_attn.o_proj.weight", lambda c: (c.hidden_size, c.num_attention_heads * c.head_dim), "normal"),
-    ("self_attn.q_norm.weight", lambda c: (c.head_dim,), "qk_norm"),
-    ("self_attn.k_norm.weight", lambda c: (c.head_dim,), "qk_norm"),
-    ("post_attention_layernorm.weight", lambda c: (c.hidden_size,), "norm"),
-    ("mlp.gate_proj.weight", lambda c: (c.intermediate_size, c.hidden_size), "normal"),
-    ("mlp.up_proj.weight", lambda c: (c.intermediate_size, c.hidden_size), "normal"),
-    ("mlp.down_proj.weight", lambda c: (c.hidden_size, c.intermediate_size), "normal"),
-)
-
-
 def weight_specs(cfg: ModelConfig) -> Iterator[tuple[str, tuple[int, ...], str]]:
-    """Every HF tensor of the model as ``(name, shape, init)``, in generation order."""
-    yield "model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size), "normal"
-    for layer in range(cfg.num_hidden_layers):
-        for suffix, shape, init in _LAYER_SPECS:
-            if init == "bias" and not cfg.attention_bias:
-                continue
-            if init == "qk_norm" and not cfg.qk_layernorm:
-                continue
-            yield f"model.layers.{layer}.{suffix}", shape(cfg), init
-    yield "model.norm.weight", (cfg.hidden_size,), "norm"
-    if not cfg.tie_word_embeddings:
-        yield "lm_head.weight", (cfg.vocab_size, cfg.hidden_size), "normal"
+    """Every HF tensor of the model as ``(name, shape, init)``, in generation order.
+
+    Names and shapes come from the family's mapping table (``FAMILY.hf_tensor_shapes``); the order is the
+    table's, layer by layer, with a module's bias right after its weight. Init: ``bias`` for biases,
+    ``norm`` for the other 1-D tensors (RMSNorm and q/k-norm weights), ``normal`` for the rest.
+    """
+    shapes = get_family(cfg.model_type).hf_tensor_shapes(cfg)
+    modules: dict[str, list[str]] = {}
+    for name in shapes:
+        modules.setdefault(name.rsplit(".", 1)[0], []).append(name)
+    for names in modules.values():
+        for name in names:
+            shape = shapes[name]
+            init = "bias" if name.endswith(".bias") else "norm" if len(shape) == 1 else "normal"
+            yield name, shape, init
 
 
 def build_weights(cfg: ModelConfig, seed: int) -> dict:
@@ -99,7 +84,7 @@ def build_weights(cfg: ModelConfig, seed: int) -> dict:
     norm_generator = torch.Generator(device="cpu").manual_seed(seed + NORM_SEED_OFFSET)
     tensors = {}
     for name, shape, init in weight_specs(cfg):
-        if init in ("norm", "qk_norm"):
+        if init == "norm":
             value = 1.0 + NORM_STD * torch.randn(shape, generator=norm_generator, dtype=torch.float32)
         else:  # normal weights and biases: drawn in fp32, then cast, so the values do not depend on dtype
             value = torch.randn(shape, generator=generator, dtype=torch.float32) * INIT_STD
@@ -208,7 +193,8 @@ def checkpoint_fingerprint(cfg: ModelConfig, seed: int, tokenizer: str = "local"
     digest.update(json.dumps({"config": cfg.to_dict(), "seed": seed, "torch": torch.__version__,
                               "tokenizers": tokenizers.__version__, "safetensors": safetensors.__version__},
                              sort_keys=True, default=str).encode())
-    for module_file in (__file__, tokenizer_module.__file__, model_config_module.__file__):
+    family_files = sorted((Path(model_config_module.__file__).parent / "models").glob("*.py"))
+    for module_file in (__file__, tokenizer_module.__file__, model_config_module.__file__, *family_files):
         digest.update(Path(module_file).read_bytes())
     if tokenizer != "local":
         import transformers

@@ -1,0 +1,107 @@
+"""What one model family (one Hugging Face ``model_type``) is, as data: the type each ``models/<family>.py`` fills in.
+
+A family module holds everything the project needs to know about that architecture, and nothing else
+has a per-family branch:
+
+- the HF ``config.json`` side: the architecture class, the fields the family fixes (``implicit_fields``,
+  which HF leaves out of config.json or assumes), values a checkpoint must have for us to load it exactly
+  (``required_hf_values``: ``mlp_bias: false``, ``use_sliding_window: false``), the RoPE scaling types it
+  supports, whether ``head_dim`` is derived from ``hidden_size / num_attention_heads``, and the extra
+  keys written back to config.json;
+- the Megatron side, as plain keyword data consumed by :mod:`megatron_arpo.actor.model_builder` (the only
+  package that imports ``megatron.core``): ``transformer_config`` entries for ``TransformerConfig`` and
+  the layer spec (``qk_layernorm``, ``add_qkv_bias``);
+- the weight mapping table (:mod:`megatron_arpo.models.rules`), from which every tensor shape is derived
+  (:meth:`ModelFamily.hf_tensor_shapes`): there is no hand-written shape list anywhere else.
+
+Families are found by :mod:`megatron_arpo.models.registry`; adding one is adding its module (plus a model
+YAML and tests).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+if TYPE_CHECKING:
+    from megatron_arpo.models.config import ModelConfig
+    from megatron_arpo.models.rules import Rule
+
+LAYER = "{layer}"
+
+
+def _no_fields(cfg: ModelConfig) -> Mapping[str, Any]:
+    return {}
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """One HF ``model_type``: its config.json conventions, its Megatron choices and its weight mapping."""
+
+    model_type: str
+    hf_architecture: str
+    # Weight mapping, in Megatron's parameter order (embedding, layer rules with {layer}, final norm, output).
+    table: tuple[Rule, ...]
+    # TransformerConfig / layer-spec keywords this family fixes (qk_layernorm, add_qkv_bias).
+    transformer_config: Mapping[str, Any]
+    # Model-config fields the family fixes; the HF config class assumes them when config.json omits them.
+    implicit_fields: Mapping[str, Any]
+    # config.json keys (not modelled by ModelConfig) that must have this value, else the model would not
+    # be the one we build; absent keys take the HF default, which must be the value here too.
+    required_hf_values: Mapping[str, Any] = field(default_factory=dict)
+    # Model-config fields not written to config.json (the HF config class has no such key).
+    hf_omitted_fields: tuple[str, ...] = ()
+    # Keys written to config.json that are not architecture fields but that HF expects.
+    extra_hf_fields: Mapping[str, Any] = field(default_factory=dict)
+    # config.json keys computed from the model config (Qwen's max_window_layers, sliding_window).
+    derived_hf_fields: Callable[[ModelConfig], Mapping[str, Any]] = _no_fields
+    # head_dim must equal hidden_size / num_attention_heads (the HF model class derives it).
+    head_dim_derived: bool = False
+    # RoPE scaling types (``rope_scaling.rope_type``) this family supports besides plain RoPE.
+    rope_types: tuple[str, ...] = ()
+
+    def check(self, cfg: ModelConfig, where: str) -> None:
+        """Refuse a model config this family cannot build, naming the key and the fix."""
+        for key, implied in self.implicit_fields.items():
+            if getattr(cfg, key) != implied:
+                raise ValueError(
+                    f"{where}: model_type {cfg.model_type!r} always has {key}={implied}, but the config says "
+                    f"{getattr(cfg, key)}; set {key}: {str(implied).lower()}")
+        if self.head_dim_derived and cfg.head_dim * cfg.num_attention_heads != cfg.hidden_size:
+            raise ValueError(
+                f"{where}: {cfg.model_type} derives head_dim from hidden_size/num_attention_heads = "
+                f"{cfg.hidden_size // cfg.num_attention_heads}, but head_dim is {cfg.head_dim}; set head_dim: "
+                f"{cfg.hidden_size // cfg.num_attention_heads}")
+        if cfg.rope_scaling is not None and cfg.rope_scaling.rope_type not in self.rope_types:
+            allowed = list(self.rope_types) or "none: remove rope_scaling"
+            raise ValueError(
+                f"{where}: model_type {cfg.model_type!r} does not support rope_scaling.rope_type "
+                f"{cfg.rope_scaling.rope_type!r}; supported: {allowed}")
+
+    def check_hf_values(self, hf_config: Mapping[str, Any], where: str) -> None:
+        for key, want in self.required_hf_values.items():
+            have = hf_config.get(key, want)
+            if have != want:
+                raise ValueError(
+                    f"{where}: {key} is {have!r}, but megatron-arpo builds {self.model_type} models with {key}="
+                    f"{want!r} only; this checkpoint's architecture is not supported")
+
+    def hf_tensor_shapes(self, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+        """Every HF tensor of a checkpoint of ``cfg``, layer by layer (embedding first), with its shape."""
+        layer_rules = [rule for rule in self.table if LAYER in rule.megatron]
+        head = [rule for rule in self.table if LAYER not in rule.megatron and rule.megatron.startswith("embedding.")]
+        tail = [rule for rule in self.table if LAYER not in rule.megatron and rule not in head]
+        out: dict[str, tuple[int, ...]] = {}
+
+        def add(rule: Rule, layer: int | None) -> None:
+            for name, shape in rule.hf_shapes(cfg).items():
+                out.setdefault(name if layer is None else name.replace(LAYER, str(layer)), shape)
+
+        for rule in head:
+            add(rule, None)
+        for layer in range(cfg.num_hidden_layers):
+            for rule in layer_rules:
+                add(rule, layer)
+        for rule in tail:
+            add(rule, None)
+        return out
