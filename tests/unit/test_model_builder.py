@@ -165,3 +165,31 @@ def test_causal_mask_convention():
     # True = masked: query i may not see key j > i.
     assert mask[0, 0, 0, 1] and not mask[0, 0, 1, 0] and not mask[0, 0, 2, 2]
     assert int(mask.sum()) == 6
+
+
+def test_llama3_rope_scaling_uses_every_parameter():
+    """Megatron's RotaryEmbedding, rescaled by apply_rope_scaling, has transformers' llama3 frequencies exactly;
+    Megatron's own rope_scaling switch (factor only, Llama 3.1 defaults for the rest) does not, for tiny-llama."""
+    from types import SimpleNamespace
+
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from megatron_arpo.model_config import hf_config_dict
+
+    cfg = load_model_config("tiny-llama")
+    hf_inv_freq, _ = ROPE_INIT_FUNCTIONS["llama3"](AutoConfig.for_model(**hf_config_dict(cfg)), "cpu")
+
+    def rotary(**scaling):
+        return RotaryEmbedding(kv_channels=cfg.head_dim, rotary_percent=1.0, rotary_base=int(cfg.rope_theta),
+                               use_cpu_initialization=True, **scaling)
+
+    model = SimpleNamespace(rotary_pos_emb=rotary())
+    model_builder.apply_rope_scaling(model, cfg)
+    assert torch.equal(model.rotary_pos_emb.inv_freq, hf_inv_freq.float())
+    switch_only = rotary(rope_scaling=True, rope_scaling_factor=cfg.rope_scaling.factor).inv_freq
+    assert (switch_only - hf_inv_freq).abs().max() > 1e-3
+    unscaled = SimpleNamespace(rotary_pos_emb=rotary())
+    model_builder.apply_rope_scaling(unscaled, load_model_config("tiny-qwen3"))  # plain RoPE: untouched
+    assert torch.equal(unscaled.rotary_pos_emb.inv_freq, rotary().inv_freq)

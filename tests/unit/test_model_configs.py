@@ -1,8 +1,9 @@
 """model_configs/*.yaml against the published Hugging Face config.json files, and model_config.py errors.
 
 The PUBLISHED dicts are the architecture keys of the config.json files on the Hugging Face hub
-(Qwen/Qwen3-{0.6B,1.7B,4B,8B,14B,32B}, Qwen/QwQ-32B), written out literally. QwQ-32B is a Qwen2 model:
-its config.json has no head_dim and no attention_bias key (both implied by model_type qwen2).
+(Qwen/Qwen3-{0.6B,1.7B,4B,8B,14B,32B}, Qwen/QwQ-32B, meta-llama/Llama-3.1-8B), written out literally.
+QwQ-32B is a Qwen2 model: its config.json has no head_dim and no attention_bias key (both implied by
+model_type qwen2). Llama-3.1-8B has no head_dim key either (derived) and RoPE scaling of type llama3.
 """
 
 from __future__ import annotations
@@ -60,13 +61,24 @@ PUBLISHED = {
         "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True, "use_sliding_window": False,
         "vocab_size": 152064,
     },
+    "llama-3.1-8b": {
+        "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+        "bos_token_id": 128000, "eos_token_id": 128001, "hidden_act": "silu", "hidden_size": 4096,
+        "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 131072,
+        "mlp_bias": False, "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 32,
+        "num_key_value_heads": 8, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+        "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
+        "vocab_size": 128256,
+    },
 }
 
 SHIPPED = sorted(p.stem for p in MODEL_CONFIG_DIR.glob("*.yaml"))
 
 
 def test_the_required_model_configs_are_shipped():
-    for name in [*PUBLISHED, "tiny-qwen3", "tiny-qwen3-untied", "tiny-qwq"]:
+    for name in [*PUBLISHED, "tiny-qwen3", "tiny-qwen3-untied", "tiny-qwq", "tiny-llama"]:
         assert name in SHIPPED
 
 
@@ -88,7 +100,10 @@ def test_yaml_matches_the_published_hf_config_field_by_field(name):
     published = PUBLISHED[name]
     for key in ARCH_FIELDS:
         if key in published:
-            assert getattr(cfg, key) == published[key], f"{name}: {key}"
+            value = getattr(cfg, key)
+            if key == "rope_scaling":
+                value = value.to_hf() if value else None
+            assert value == published[key], f"{name}: {key}"
     for key in ("hidden_act", "torch_dtype", "bos_token_id", "eos_token_id"):
         assert getattr(cfg, key) == published[key], f"{name}: {key}"
     check_hf_config(cfg, published, hf_where=f"{name}/config.json")  # implied fields included
@@ -103,10 +118,13 @@ def test_published_architecture_facts():
     assert (qwq.model_type, qwq.num_attention_heads, qwq.num_key_value_heads) == ("qwen2", 40, 8)
     assert (qwq.intermediate_size, qwq.vocab_size, qwq.rms_norm_eps, qwq.head_dim) == (27648, 152064, 1e-5, 128)
     assert qwq.attention_bias and not qwq.qk_layernorm and not qwq.tie_word_embeddings
+    llama = load_model_config("llama-3.1-8b")
+    assert (llama.head_dim, llama.num_query_groups, llama.rope_scaling.rope_type) == (128, 8, "llama3")
+    assert not (llama.attention_bias or llama.qk_layernorm or llama.tie_word_embeddings)
 
 
 def test_tiny_configs_fit_vllm_cpu():
-    for name in ("tiny-qwen3", "tiny-qwen3-untied", "tiny-qwq"):
+    for name in ("tiny-qwen3", "tiny-qwen3-untied", "tiny-qwq", "tiny-llama"):
         cfg = load_model_config(name)
         assert cfg.head_dim >= 64 and cfg.torch_dtype == "float32"
     assert load_model_config("tiny-qwen3").tie_word_embeddings
@@ -225,3 +243,44 @@ def test_model_config_is_immutable():
     cfg = load_model_config("tiny-qwen3")
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.hidden_size = 1  # type: ignore[misc]
+
+
+def test_llama_rope_scaling_is_read_in_every_spelling():
+    cfg = load_model_config("llama-3.1-8b")
+    published = PUBLISHED["llama-3.1-8b"]
+    legacy = {**published, "rope_scaling": {**published["rope_scaling"], "type": "llama3"}}
+    del legacy["rope_scaling"]["rope_type"]  # transformers < 4.45 wrote "type"
+    v5 = {k: v for k, v in published.items() if k not in ("rope_scaling", "rope_theta")}
+    v5["rope_parameters"] = {**published["rope_scaling"], "rope_theta": 500000.0}  # transformers >= 5
+    for hf in (published, legacy, v5):
+        check_hf_config(cfg, hf)
+    plain = {**published, "rope_scaling": None}  # Llama 3.0: plain RoPE, a different model
+    with pytest.raises(ValueError, match=r"rope_scaling: model config says RopeScaling\(rope_type='llama3'"):
+        check_hf_config(cfg, plain)
+
+
+@pytest.mark.parametrize(
+    ("name", "rope", "expected"),
+    [
+        ("tiny-qwen3", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                        "original_max_position_embeddings": 8192},
+         "model_type 'qwen3' does not support rope_scaling.rope_type 'llama3'; supported: none: remove rope_scaling"),
+        ("tiny-llama", {"rope_type": "yarn", "factor": 4.0}, "rope_scaling.rope_type 'yarn' is not supported"),
+        ("tiny-llama", {"rope_type": "llama3", "factor": 8.0}, "missing ['low_freq_factor', 'high_freq_factor', "
+                                                                 "'original_max_position_embeddings']"),
+        ("tiny-llama", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0,
+                        "original_max_position_embeddings": 8192}, "0 < low_freq_factor < high_freq_factor"),
+    ],
+)
+def test_invalid_rope_scaling(tmp_path, name, rope, expected):
+    data = {**yaml.safe_load((MODEL_CONFIG_DIR / f"{name}.yaml").read_text()), "rope_scaling": rope}
+    path = tmp_path / "m.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ValueError) as info:
+        load_model_config(path)
+    assert expected in str(info.value) and str(path) in str(info.value)
+
+
+def test_llama_checkpoint_with_mlp_bias_is_refused():
+    with pytest.raises(ValueError, match=r"mlp_bias is True, but megatron-arpo builds llama models with mlp_bias=False"):
+        model_config_from_hf({**PUBLISHED["llama-3.1-8b"], "mlp_bias": True}, name="ckpt")
