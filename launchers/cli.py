@@ -17,6 +17,7 @@ Subcommands:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -77,7 +78,7 @@ def _run_slurm(args) -> int:
         print(render_sbatch(opts, command=command, mounts=mounts))
         return 0
     run_dir = Path(opts.run_dir).resolve()
-    opts.run_dir = str(run_dir)
+    opts = dataclasses.replace(opts, run_dir=str(run_dir))
     run_dir.mkdir(parents=True, exist_ok=True)
     # The job trains from the resolved config (base: chains and --set applied), written atomically.
     tmp = run_dir / ".config.yaml.tmp"

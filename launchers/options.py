@@ -10,62 +10,21 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping
 
+from megatron_arpo.cluster.launch_options import PREEMPT_EXIT_CODE, LauncherSection  # noqa: F401
 from megatron_arpo.errors import InputError
 
-# Exit code of a trainer that saved a checkpoint because it was told to stop (SIGUSR1) and wants the job
-# requeued. The trainer (megatron_arpo.train) must use the same value; it is configurable here.
-PREEMPT_EXIT_CODE = 42
+@dataclass(frozen=True)
+class LauncherOptions(LauncherSection):
+    """The ``launcher`` section (every field and default: ``LauncherSection``) plus where the run lives.
 
+    ``run_dir``: relative paths are relative to the submit directory; logs go to ``<run_dir>/logs``.
+    Validated on construction.
+    """
 
-@dataclass
-class LauncherOptions:
-    """Slurm and Ray launch knobs. Time is Slurm's format (``HH:MM:SS`` or ``D-HH:MM:SS``)."""
-
-    nodes: int = 1
-    gpus_per_node: int = 8
-    # Resources of the one task per node. The defaults give the job whole nodes: --exclusive, every CPU
-    # (no --cpus-per-task: the step gets all CPUs of an exclusive node) and --mem=0 (all memory).
-    cpus_per_task: int | None = None
-    memory_per_node: str | None = "all"  # "all" = --mem=0, a Slurm size ("480G"), or None = site default
-    exclusive: bool = True
-    partition: str | None = None
-    account: str | None = None
-    qos: str | None = None
-    time: str = "24:00:00"
-    job_name: str = "megatron-arpo"
-    # Relative paths are relative to the submit directory; logs go to <run_dir>/logs.
     run_dir: str = "runs/megatron-arpo"
-    container_image: str | None = None  # pyxis/enroot: srun --container-image
-    # Extra pyxis mounts; the submit dir, the run dir and the config's data paths are always mounted.
-    container_mounts: str | None = None
-    # Preemption: Slurm sends USR1 to the batch shell this many seconds before the time limit.
-    signal_lead_seconds: int = 300
-    requeue: bool = True
-    max_requeues: int = 3
-    preempt_exit_code: int = PREEMPT_EXIT_CODE
-    # How long the launcher waits for the batch step to end after forwarding USR1 (0 = no limit).
-    preempt_grace_seconds: int = 0
-    python: str = "python"  # interpreter that runs `-m launchers` on the nodes
-    # Ray bootstrap
-    network_interface: str | None = None
-    # Per-job port blocks from this range, derived from the job id and checked free
-    # (megatron_arpo.cluster.ports); ray_node_port_base pins node 0's block instead.
-    ray_port_range: str = "20000-32000"
-    ray_ports_per_node: int = 200
-    ray_node_port_base: int | None = None
-    ray_gcs_port: int | None = None  # None = inside the head's block
-    ray_client_server_port: int | None = None
-    ray_log_sync_seconds: int = 60  # copy Ray's node-local session logs to <run_dir>/logs/ray this often
-    num_cpus: int | None = None
-    object_store_memory: int | None = None
-    ready_timeout: float = 300.0
-    temp_root: str = "/tmp"
-    env: dict[str, str] = field(default_factory=dict)
-    extra_sbatch: list[str] = field(default_factory=list)
-    setup_commands: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         validate_launcher_options(self)

@@ -1,23 +1,27 @@
 """The typed sections of an experiment config: one frozen dataclass per process.
 
-Each field carries its bounds and one line of help (``_f``); ``megatron_arpo.config`` builds, coerces and
-validates these from YAML and ``--set`` overrides, and renders the config reference from the help text.
-Defaults are the ARPO reference's (ARPO_REFERENCE.md §2.1, §3.3) unless noted.
+Each field carries its bounds and one line of help (``_f``, :func:`megatron_arpo.config_field.setting`);
+``megatron_arpo.config`` builds, coerces and validates these from YAML and ``--set`` overrides, and renders
+the config reference from the help text. A section read by one component is defined by that component and
+only composed here (``tools``: :mod:`megatron_arpo.tools.config`; ``launcher``:
+:mod:`megatron_arpo.cluster.launch_options`; ``algorithm`` is read by the actor's loss as it is). Defaults are the ARPO reference's (ARPO_REFERENCE.md §2.1, §3.3) unless noted.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
-from typing import Any, Literal, Optional
+from dataclasses import dataclass
+from typing import Literal, Optional
 
-def _f(default: Any = dataclasses.MISSING, *, factory: Any = dataclasses.MISSING, ge: float | None = None,
-       gt: float | None = None, le: float | None = None, lt: float | None = None, help: str = "") -> Any:
-    """A dataclass field carrying its numeric bounds and one line of help for the config reference."""
-    meta = {"ge": ge, "gt": gt, "le": le, "lt": lt, "help": help}
-    if factory is not dataclasses.MISSING:
-        return field(default_factory=factory, metadata=meta)
-    return field(default=default, metadata=meta)
+from megatron_arpo.config_field import setting
+from megatron_arpo.tools.config import (  # noqa: F401  (the tools own their section; composed here)
+    PythonToolSection,
+    SearchToolSection,
+    ToolCacheSection,
+    ToolsSection,
+)
+from megatron_arpo.cluster.launch_options import LauncherSection  # noqa: F401  (composed here)
+
+_f = setting
 
 
 # --------------------------------------------------------------------------------------------- model
@@ -139,68 +143,8 @@ class AlgorithmSection:
 
 
 # --------------------------------------------------------------------------------------------- tools
-# Field names match megatron_arpo.tools.registry.build_tools, which takes ``cfg.to_dict()["tools"]``.
-@dataclass(frozen=True)
-class PythonToolSection:
-    enabled: bool = _f(True)
-    tag: str = _f("python", help="the <tag>...</tag> the model writes")
-    sandbox: Literal["required", "best_effort"] = _f(
-        "required", help="required: refuse to start unless every run gets the bubblewrap sandbox; best_effort: "
-        "run code without isolation when it is unavailable (warns at every start)")
-    timeout_s: float = _f(10.0, gt=0, help="wall clock per run (keep below tools.timeout_s)")
-    cpu_s: Optional[int] = _f(None, ge=1, help="CPU seconds of the whole run and of each process; null = ceil(timeout_s)")
-    memory_mb: int = _f(2048, ge=16, help="memory of the whole run (cgroup, else a meter) and of each process")
-    file_size_mb: int = _f(32, ge=1, help="largest file the code may write (RLIMIT_FSIZE)")
-    disk_mb: int = _f(64, ge=1, help="size of the run's private scratch tmpfs (/tmp, also HOME)")
-    nproc: int = _f(32, ge=1, help="processes/threads the whole run may add (RLIMIT_NPROC in its user namespace)")
-    max_output_chars: int = _f(4000, ge=1, help="output shown to the model is truncated beyond this")
-    max_capture_bytes: int = _f(1048576, ge=1, help="output read before the run is stopped")
-    user: str = _f("nobody", help="account the code runs as when the trainer runs as root")
-    python_executable: Optional[str] = _f(None, help="null = the trainer's base interpreter (stdlib only); a venv "
-                                          "made for the model's code exposes its packages read-only")
-    isolate_network: bool = _f(True, help="false shares the host network with the code")
-    cgroup: Literal["auto", "required", "off"] = _f("auto", help="a memory cgroup per run: auto = when one can be had")
-    cgroup_parent: Optional[str] = _f(None, help="delegated cgroup v2 dir (memory in its subtree_control) for the runs")
-    auto_print: bool = _f(True, help="print the value of a trailing expression, notebook-style")
-
-
-@dataclass(frozen=True)
-class SearchToolSection:
-    enabled: bool = _f(True)
-    tag: str = _f("search")
-    backend: Literal["local", "http", "web"] = _f("local")
-    topk: int = _f(3, ge=1, help="passages returned per query")
-    result_chars: int = _f(1000, ge=1, help="per-passage truncation")
-    corpus: Optional[str] = _f(None, help="local: JSONL corpus for BM25")
-    url: Optional[str] = _f(None, help="http: retriever endpoint")
-    index_version: Optional[str] = _f(None, help="http: a name for the index behind url; part of the tool-cache "
-                                      "key, change it when the index changes")
-    timeout_s: float = _f(30.0, gt=0, help="http/web request timeout")
-    api_key_env: str = _f("BRIGHT_DATA_API_KEY", help="web: NAME of the env var holding the key")
-    zone: Optional[str] = _f(None, help="web: Bright Data zone")
-    location: str = _f("us", help="web: country code of the search market")
-
-
-@dataclass(frozen=True)
-class ToolCacheSection:
-    path: Optional[str] = _f(None, help="SQLite file; null = node-local (under $TMPDIR), snapshotted into each checkpoint")
-    busy_timeout_s: float = _f(30.0, gt=0)
-
-
-@dataclass(frozen=True)
-class ToolsSection:
-    max_concurrency: int = _f(8, ge=1, help="tool calls running at once per rollout process")
-    timeout_s: float = _f(30.0, gt=0, help="enforced limit on one call, retries included")
-    retries: int = _f(2, ge=0, help="extra attempts after a transport error only (empty output is valid)")
-    backoff_s: float = _f(0.5, ge=0, help="first retry delay; doubles each retry")
-    backoff_max_s: float = _f(8.0, ge=0)
-    python: PythonToolSection = _f(factory=PythonToolSection)
-    search: SearchToolSection = _f(factory=SearchToolSection)
-    cache: Optional[ToolCacheSection] = _f(factory=ToolCacheSection, help="null disables the cache")
-
-    @property
-    def enabled_tags(self) -> list[str]:
-        return [t.tag for t in (self.python, self.search) if t.enabled]
+# PythonToolSection, SearchToolSection, ToolCacheSection, ToolsSection: megatron_arpo/tools/config.py,
+# with the tools that read them.
 
 
 # ---------------------------------------------------------------------------------------------- data
@@ -276,44 +220,7 @@ class LoggingSection:
 
 
 # ------------------------------------------------------------------------------------------ launcher
-# Flat, with the field names of launchers.options.LauncherOptions, so that
-# ``launcher_options(cfg.launcher, {"run_dir": cfg.trainer.run_dir})`` takes the section as it is.
-# The ray_* ports are megatron_arpo.cluster.ports.PortPlan: per-job blocks from ray_port_range, derived
-# from the Slurm job id and checked free; ray_node_port_base pins node k to base + k * ray_ports_per_node.
-@dataclass(frozen=True)
-class LauncherSection:
-    nodes: int = _f(1, ge=1)
-    gpus_per_node: int = _f(8, ge=0, help="0 = CPU-only nodes")
-    cpus_per_task: Optional[int] = _f(None, ge=1, help="CPUs of the one task per node; null = all (needs exclusive)")
-    memory_per_node: Optional[str] = _f("all", help="all = --mem=0 (the whole node), a Slurm size (480G), null = site default")
-    exclusive: bool = _f(True, help="--exclusive: whole nodes (other jobs' processes would share the GPUs' CPUs)")
-    partition: Optional[str] = _f(None)
-    account: Optional[str] = _f(None)
-    qos: Optional[str] = _f(None)
-    time: str = _f("24:00:00", help="Slurm time limit (HH:MM:SS or D-HH:MM:SS); quote it in YAML")
-    job_name: str = _f("megatron-arpo")
-    container_image: Optional[str] = _f(None, help="pyxis/enroot: srun --container-image")
-    container_mounts: Optional[str] = _f(None, help="extra pyxis mounts; submit dir, run dir and data paths are added")
-    signal_lead_seconds: int = _f(300, ge=0, le=65535, help="USR1 this long before the time limit")
-    requeue: bool = _f(True, help="requeue after a preemption checkpoint")
-    max_requeues: int = _f(3, ge=0)
-    preempt_exit_code: int = _f(42, ge=1, le=125, help="trainer exit code meaning 'checkpointed, requeue me'")
-    preempt_grace_seconds: int = _f(0, ge=0, help="wait for the step after forwarding USR1; 0 = no limit")
-    python: str = _f("python", help="interpreter that runs `-m launchers` on the nodes")
-    network_interface: Optional[str] = _f(None, help="NCCL/GLOO_SOCKET_IFNAME; null = env, default route")
-    ray_port_range: str = _f("20000-32000", help="LO-HI: per-job port blocks, derived from the job id, checked free")
-    ray_ports_per_node: int = _f(200, ge=20, help="10 service ports + worker ports per node")
-    ray_node_port_base: Optional[int] = _f(None, ge=1024, le=65535, help="pin node 0's block here; null = per job")
-    ray_gcs_port: Optional[int] = _f(None, ge=1024, le=65535, help="null = inside the head's block")
-    ray_client_server_port: Optional[int] = _f(None, ge=1024, le=65535, help="null = inside the head's block")
-    ray_log_sync_seconds: int = _f(60, ge=0, help="copy Ray session logs to <run_dir>/logs/ray this often; 0 = at the end")
-    num_cpus: Optional[int] = _f(None, ge=1, help="CPUs Ray advertises per node; null = detected")
-    object_store_memory: Optional[int] = _f(None, ge=1, help="bytes per node; null = Ray default")
-    ready_timeout: float = _f(300.0, gt=0, help="seconds to wait for the head address and for all nodes")
-    temp_root: str = _f("/tmp", help="per-node Ray temp dirs go under it (keep it short: socket paths)")
-    env: dict[str, str] = _f(factory=dict, help="extra non-secret env vars exported on every node")
-    extra_sbatch: list[str] = _f(factory=list, help="extra '#SBATCH' options, e.g. --exclusive")
-    setup_commands: list[str] = _f(factory=list, help="shell lines run on every node before Ray starts")
+# LauncherSection: megatron_arpo/cluster/launch_options.py (launchers.options.LauncherOptions extends it).
 
 
 # ----------------------------------------------------------------------------------------- sft, eval

@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from megatron_arpo.actor.logprobs import MicroBatch, run_model, vocab_parallel_logprobs
 from megatron_arpo.algo import losses
+from megatron_arpo.config_schema import AlgorithmSection
 
 logger = logging.getLogger(__name__)
 
@@ -55,26 +56,6 @@ class VocabInfo:
         return vocab_parallel_logprobs(logits, targets, vocab_start=self.vocab_start, vocab_size=self.vocab_size,
                                        tp_group=self.tp_group, with_entropy=with_entropy,
                                        temperature=self.temperature)
-
-
-@dataclass(frozen=True)
-class PPOLossSettings:
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    dual_clip: float | None = 3.0
-    aggregation: str = "token-mean"
-    entropy_balanced_clip: bool = False
-    entropy_aware_advantage: bool = False
-    entropy_advantage_alpha: float = 0.2
-    kl_coef: float = 0.0
-    kl_kind: str = "low_var_kl"
-
-    @classmethod
-    def from_algorithm(cls, alg) -> "PPOLossSettings":
-        return cls(clip_low=alg.clip_low, clip_high=alg.clip_high, dual_clip=alg.dual_clip,
-                   aggregation=alg.aggregation, entropy_balanced_clip=alg.entropy_balanced_clip,
-                   entropy_aware_advantage=alg.entropy_aware_advantage,
-                   entropy_advantage_alpha=alg.entropy_advantage_alpha, kl_coef=alg.kl.coef, kl_kind=alg.kl.kind)
 
 
 def run_schedule(model_chunks: list, micro_batches: list[MicroBatch], loss_fn: Callable, *, forward_only: bool,
@@ -129,7 +110,7 @@ def entropy_moments_pass(model_chunks, micro_batches, vocab: VocabInfo, rope, dp
     return moments.cpu()
 
 
-def ppo_loss(settings: PPOLossSettings, vocab: VocabInfo, normalizer: float, entropy_stats, with_entropy: bool,
+def ppo_loss(settings: AlgorithmSection, vocab: VocabInfo, normalizer: float, entropy_stats, with_entropy: bool,
              mb: MicroBatch, logits: torch.Tensor):
     """One micro-batch of the ARPO/AEPO policy loss (+ KL), scaled for exact mini-batch averaging."""
     dev = logits.device
@@ -151,10 +132,10 @@ def ppo_loss(settings: PPOLossSettings, vocab: VocabInfo, normalizer: float, ent
     for key in ("clip_frac", "low_clip_frac", "high_clip_frac", "dual_clip_frac", "approx_kl"):
         sums[key] = metrics[key] * weight_sum
     total = loss
-    if settings.kl_coef > 0:
-        kl = losses.kl_penalty(logp, x["ref_logprobs"], settings.kl_kind)
+    if settings.kl.coef > 0:
+        kl = losses.kl_penalty(logp, x["ref_logprobs"], settings.kl.kind)
         kl_loss = losses.aggregate_loss(kl, weight, "token-mean", normalizer)
-        total = total + settings.kl_coef * kl_loss
+        total = total + settings.kl.coef * kl_loss
         sums["kl"] = kl_loss.detach() * normalizer
     sums["loss"] = total.detach() * normalizer
     if entropy is not None:

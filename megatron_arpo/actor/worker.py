@@ -50,8 +50,9 @@ import torch.distributed as dist
 
 from megatron_arpo.actor import packing
 from megatron_arpo.actor.logprobs import build_micro_batch, install_position_rope
-from megatron_arpo.actor.training import (PPOLossSettings, VocabInfo, collective_device, entropy_moments_pass,
+from megatron_arpo.actor.training import (VocabInfo, collective_device, entropy_moments_pass,
                                           logprob_loss, ppo_loss, run_schedule, sft_loss, train_micro_batches)
+from megatron_arpo.config_schema import AlgorithmSection
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +114,8 @@ class MegatronActorWorker:
         rollout = getattr(cfg, "rollout", None)
         self.temperature = float(getattr(rollout, "temperature", 1.0)) if rollout is not None else 1.0
         algorithm = getattr(cfg, "algorithm", None)
-        self.loss_settings = PPOLossSettings.from_algorithm(algorithm) if algorithm is not None else PPOLossSettings()
+        # The loss reads the algorithm section as the config defines it (clip, dual clip, AEPO, KL).
+        self.loss_settings = algorithm if algorithm is not None else AlgorithmSection()
 
     # ------------------------------------------------------------------------------------------ setup
     def init_model(self, hf_dir: str | None = None, load_dir: str | None = None, total_steps: int | None = None,
@@ -298,7 +300,7 @@ class MegatronActorWorker:
 
         self._require_resident("update")
         s = self.loss_settings
-        need = ["input_ids", "loss_mask", "advantages", "old_logprobs"] + (["ref_logprobs"] if s.kl_coef > 0 else [])
+        need = ["input_ids", "loss_mask", "advantages", "old_logprobs"] + (["ref_logprobs"] if s.kl.coef > 0 else [])
         missing = [k for k in need if k not in batch]
         if missing:
             raise ValueError(f"update batch lacks {missing}; old_logprobs (and ref_logprobs when algorithm.kl.coef > 0) "
@@ -331,7 +333,7 @@ class MegatronActorWorker:
                 extras = {"loss_mask": [masks[i] for i in idx], "loss_weight": [weights[i] for i in idx],
                           "advantages": [batch["advantages"][i] for i in idx],
                           "old_logprobs": [batch["old_logprobs"][i] for i in idx]}
-                if s.kl_coef > 0:
+                if s.kl.coef > 0:
                     extras["ref_logprobs"] = [batch["ref_logprobs"][i] for i in idx]
                 plans = self._plan([len(x) for x in sub], self.actor.micro_batch_tokens)
                 padding.append((sum(p.num_slots for p in plans), sum(p.num_tokens for p in plans)))

@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
+from megatron_arpo.cluster.launch_options import LauncherSection
 from megatron_arpo.cluster.ports import PortPlan  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
@@ -68,7 +69,10 @@ NODE_LABEL = "megatron-arpo/node-id"
 
 @dataclass
 class NodeOptions:
-    """Everything one node's bootstrap needs; built from the launcher config and Slurm's environment."""
+    """Everything one node's bootstrap needs; built from the launcher config and Slurm's environment.
+
+    Settings that come from the ``launcher`` section take their defaults from it (``LauncherSection``).
+    """
 
     run_dir: Path
     num_nodes: int
@@ -77,15 +81,15 @@ class NodeOptions:
     restart_count: int = 0
     ports: PortPlan = field(default_factory=PortPlan)
     interface: str | None = None
-    num_cpus: int | None = None
+    num_cpus: int | None = LauncherSection.num_cpus
     num_gpus: int | None = None
-    object_store_memory: int | None = None
-    ready_timeout: float = 300.0
+    object_store_memory: int | None = LauncherSection.object_store_memory
+    ready_timeout: float = LauncherSection.ready_timeout
     # How long a worker keeps its raylet after the head's GCS became unreachable.
     head_lost_timeout: float = 60.0
     # How long this node's own `ray start` may take to open its ports (a loaded host can be slow).
     start_timeout: float = 180.0
-    temp_root: str = "/tmp"
+    temp_root: str = LauncherSection.temp_root
     node_log_template: str = ""  # e.g. "<run_dir>/logs/job-123-node{node_id}.out"
     env: Mapping[str, str] = field(default_factory=dict)
     ray_log_root: str | None = None  # Ray session logs are copied under it; None = <run_dir>/logs/ray

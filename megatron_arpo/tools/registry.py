@@ -1,148 +1,101 @@
-"""Build the tool executor from the plain `tools` config section.
+"""Build the tool executor from the ``tools`` config section.
 
-`build_tools(cfg)` takes a dict (the typed config dataclass converts to one) and returns a
-`ToolExecutor`. Accepted keys, with defaults; any other key is an error:
-
-```yaml
-tools:
-  max_concurrency: 8       # tool calls running at once in this process
-  timeout_s: 30            # per call, retries included; the model gets an error result after it
-  retries: 2               # extra attempts after a transport error only (0 = none)
-  backoff_s: 0.5           # first retry delay; doubles each retry
-  backoff_max_s: 8.0
-  python:                  # omit, null or {enabled: false} to disable
-    enabled: true
-    tag: python
-    sandbox: required      # required: refuse to start without the bubblewrap sandbox; best_effort: fall back, warn
-    timeout_s: 10          # wall clock per run (keep below tools.timeout_s)
-    cpu_s: null            # CPU seconds of the whole run (meter) and per process (RLIMIT_CPU); null = ceil(timeout_s)
-    memory_mb: 2048        # memory of the whole run (cgroup or meter) and per process (RLIMIT_AS)
-    file_size_mb: 32       # largest file (RLIMIT_FSIZE)
-    disk_mb: 64            # size of the run's scratch tmpfs /tmp
-    nproc: 32              # processes/threads the run may add (RLIMIT_NPROC in its own user namespace)
-    max_output_chars: 4000 # text shown to the model
-    max_capture_bytes: 1048576  # output read before the run is stopped
-    user: nobody           # account the code runs as when the trainer runs as root
-    python_executable: null     # null = the trainer's base interpreter (stdlib only)
-    isolate_network: true
-    cgroup: auto           # auto | required | off: a memory cgroup per run
-    cgroup_parent: null    # a delegated cgroup v2 directory to create the runs' cgroups in
-    auto_print: true
-  search:                  # omit, null or {enabled: false} to disable
-    enabled: true
-    tag: search
-    backend: local         # local | http | web
-    topk: 3
-    result_chars: 1000
-    corpus: path/to/corpus.jsonl    # local
-    url: http://host:8000/retrieve  # http
-    index_version: null             # http: names the index behind the url; part of the cache key
-    timeout_s: 30                   # http / web request timeout
-    api_key_env: BRIGHT_DATA_API_KEY  # web; the key itself is never in the config
-    zone: null                        # web
-    location: us                      # web
-  cache:                   # omit or null for no cache
-    path: runs/x/tool_cache.sqlite
-    busy_timeout_s: 30
-```
+``build_tools(cfg)`` takes the typed :class:`megatron_arpo.tools.config.ToolsSection` (what the experiment
+config holds) or a plain mapping with the same keys (``cfg.to_dict()["tools"]``, or a hand-written dict in
+tests and scripts) and returns a ``ToolExecutor``. The keys and their defaults are those dataclasses' fields
+and nothing else: an unknown key is an error listing the allowed ones, a missing key takes the section's
+default. In a mapping, ``python``/``search`` omitted, ``null``, ``false`` or ``{enabled: false}`` disables
+that tool; ``cache`` omitted or ``null`` means no cache (and a cache needs its ``path``).
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import dataclasses
+from typing import Any, Mapping
 
 from megatron_arpo.tools.base import Tool, ToolExecutor
+from megatron_arpo.tools.config import PythonToolSection, SearchToolSection, ToolCacheSection, ToolsSection
 
-_TOP_KEYS = {"max_concurrency", "timeout_s", "retries", "backoff_s", "backoff_max_s", "python", "search", "cache"}
-_PYTHON_KEYS = {
-    "enabled", "tag", "sandbox", "timeout_s", "cpu_s", "memory_mb", "file_size_mb", "disk_mb", "nproc",
-    "max_output_chars", "max_capture_bytes", "user", "python_executable", "isolate_network", "cgroup",
-    "cgroup_parent", "auto_print",
-}
-_SEARCH_KEYS = {
-    "enabled", "tag", "backend", "topk", "result_chars", "corpus", "url", "index_version", "timeout_s",
-    "api_key_env", "zone", "location",
-}
-_CACHE_KEYS = {"path", "busy_timeout_s"}
 SEARCH_BACKENDS = ("local", "http", "web")
 
 
-def _check_keys(section: str, cfg: dict, allowed: set) -> None:
-    if not isinstance(cfg, dict):
-        raise ValueError(f"{section} must be a mapping, got {type(cfg).__name__}: {cfg!r}")
-    unknown = sorted(set(cfg) - allowed)
+def _section(cls: type, data: Any, where: str) -> Any:
+    """``data`` as a ``cls`` section: the instance itself, or a mapping whose keys are ``cls``'s fields."""
+    if isinstance(data, cls):
+        return data
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{where} must be a mapping, got {type(data).__name__}: {data!r}")
+    allowed = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - allowed)
     if unknown:
-        raise ValueError(f"{section}: unknown keys {unknown}; allowed keys are {sorted(allowed)}")
+        raise ValueError(f"{where}: unknown keys {unknown}; allowed keys are {sorted(allowed)}")
+    return cls(**data)
 
 
-def _enabled(section: Any) -> bool:
-    return section is not None and section is not False and (
-        not isinstance(section, dict) or section.get("enabled", True)
-    )
+def _tool_section(cls: type, data: Any, where: str) -> Any:
+    """A tool's section; a mapping that leaves the tool out (or gives null/false) disables it."""
+    if data is None or data is False:
+        return cls(enabled=False)
+    return _section(cls, {} if data is True else data, where)
 
 
-def build_python_tool(cfg: dict) -> Tool:
+def tools_section(cfg: Any) -> ToolsSection:
+    """The typed ``tools`` section from a ``ToolsSection``, a mapping of its keys, or None (no tools)."""
+    if isinstance(cfg, ToolsSection):
+        return cfg
+    if cfg is None:
+        cfg = {}
+    if not isinstance(cfg, Mapping):
+        raise ValueError(f"tools must be a mapping, got {type(cfg).__name__}: {cfg!r}")
+    nested = {"python": _tool_section(PythonToolSection, cfg.get("python"), "tools.python"),
+              "search": _tool_section(SearchToolSection, cfg.get("search"), "tools.search"),
+              "cache": _section(ToolCacheSection, cfg["cache"], "tools.cache") if cfg.get("cache") else None}
+    return _section(ToolsSection, {**cfg, **nested}, "tools")
+
+
+def _kwargs(section: Any, *skip: str) -> dict[str, Any]:
+    return {f.name: getattr(section, f.name) for f in dataclasses.fields(section) if f.name not in skip}
+
+
+def build_python_tool(cfg: PythonToolSection | Mapping[str, Any]) -> Tool:
     from megatron_arpo.tools.python_sandbox import PythonSandboxTool
 
-    _check_keys("tools.python", cfg, _PYTHON_KEYS)
-    kwargs = {k: v for k, v in cfg.items() if k != "enabled"}
-    return PythonSandboxTool(**kwargs)
+    return PythonSandboxTool(**_kwargs(_section(PythonToolSection, cfg, "tools.python"), "enabled"))
 
 
-def build_search_tool(cfg: dict) -> Tool:
+def build_search_tool(cfg: SearchToolSection | Mapping[str, Any]) -> Tool:
     from megatron_arpo.tools import search
 
-    _check_keys("tools.search", cfg, _SEARCH_KEYS)
-    backend_name = cfg.get("backend", "local")
-    if backend_name == "local":
-        if not cfg.get("corpus"):
+    cfg = _section(SearchToolSection, cfg, "tools.search")
+    if cfg.backend == "local":
+        if not cfg.corpus:
             raise ValueError("tools.search.corpus is required for backend 'local'; set it to a JSONL corpus path")
-        backend = search.LocalBM25Backend(cfg["corpus"])
-    elif backend_name == "http":
-        if not cfg.get("url"):
+        backend = search.LocalBM25Backend(cfg.corpus)
+    elif cfg.backend == "http":
+        if not cfg.url:
             raise ValueError("tools.search.url is required for backend 'http' (e.g. http://127.0.0.1:8000/retrieve)")
-        backend = search.HttpRetrieverBackend(cfg["url"], timeout_s=cfg.get("timeout_s", 30.0),
-                                              index_version=cfg.get("index_version"))
-    elif backend_name == "web":
-        backend = search.WebSearchBackend(
-            api_key_env=cfg.get("api_key_env", "BRIGHT_DATA_API_KEY"),
-            zone=cfg.get("zone"),
-            location=cfg.get("location", "us"),
-            timeout_s=cfg.get("timeout_s", 60.0),
-        )
+        backend = search.HttpRetrieverBackend(cfg.url, timeout_s=cfg.timeout_s, index_version=cfg.index_version)
+    elif cfg.backend == "web":
+        backend = search.WebSearchBackend(api_key_env=cfg.api_key_env, zone=cfg.zone, location=cfg.location,
+                                          timeout_s=cfg.timeout_s)
     else:
-        raise ValueError(f"tools.search.backend={backend_name!r}; allowed values are {list(SEARCH_BACKENDS)}")
-    return search.SearchTool(
-        backend,
-        topk=cfg.get("topk", 3),
-        result_chars=cfg.get("result_chars", 1000),
-        tag=cfg.get("tag", "search"),
-    )
+        raise ValueError(f"tools.search.backend={cfg.backend!r}; allowed values are {list(SEARCH_BACKENDS)}")
+    return search.SearchTool(backend, topk=cfg.topk, result_chars=cfg.result_chars, tag=cfg.tag)
 
 
-def build_tools(cfg: Optional[dict]) -> ToolExecutor:
-    """The executor for the `tools` config section (see the module docstring for the keys)."""
-    cfg = dict(cfg or {})
-    _check_keys("tools", cfg, _TOP_KEYS)
+def build_tools(cfg: ToolsSection | Mapping[str, Any] | None) -> ToolExecutor:
+    """The executor for the ``tools`` config section (see the module docstring)."""
+    section = tools_section(cfg)
     tools: list[Tool] = []
-    if _enabled(cfg.get("python")):
-        tools.append(build_python_tool(cfg["python"] if isinstance(cfg["python"], dict) else {}))
-    if _enabled(cfg.get("search")):
-        tools.append(build_search_tool(cfg["search"] if isinstance(cfg["search"], dict) else {}))
+    if section.python.enabled:
+        tools.append(build_python_tool(section.python))
+    if section.search.enabled:
+        tools.append(build_search_tool(section.search))
     cache = None
-    if cfg.get("cache"):
+    if section.cache is not None:
         from megatron_arpo.tools.cache import ToolCache
 
-        _check_keys("tools.cache", cfg["cache"], _CACHE_KEYS)
-        if not cfg["cache"].get("path"):
+        if not section.cache.path:
             raise ValueError("tools.cache.path is required when tools.cache is set")
-        cache = ToolCache(cfg["cache"]["path"], busy_timeout_s=cfg["cache"].get("busy_timeout_s", 30.0))
-    return ToolExecutor(
-        tools,
-        cache=cache,
-        max_concurrency=cfg.get("max_concurrency", 8),
-        timeout_s=cfg.get("timeout_s", 30.0),
-        retries=cfg.get("retries", 2),
-        backoff_s=cfg.get("backoff_s", 0.5),
-        backoff_max_s=cfg.get("backoff_max_s", 8.0),
-    )
+        cache = ToolCache(section.cache.path, busy_timeout_s=section.cache.busy_timeout_s)
+    return ToolExecutor(tools, cache=cache, **_kwargs(section, "python", "search", "cache"))
