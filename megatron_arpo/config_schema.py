@@ -3,8 +3,9 @@
 Each field carries its bounds and one line of help (``_f``, :func:`megatron_arpo.config_field.setting`);
 ``megatron_arpo.config`` builds, coerces and validates these from YAML and ``--set`` overrides, and renders
 the config reference from the help text. A section read by one component is defined by that component and
-only composed here (``tools``: :mod:`megatron_arpo.tools.config`; ``launcher``:
-:mod:`megatron_arpo.cluster.launch_options`; ``algorithm`` is read by the actor's loss as it is). Defaults are the ARPO reference's (ARPO_REFERENCE.md §2.1, §3.3) unless noted.
+only composed here (``rollout``: :mod:`megatron_arpo.rollout.config`; ``tools``:
+:mod:`megatron_arpo.tools.config`; ``launcher``: :mod:`megatron_arpo.cluster.launch_options`; ``algorithm``
+is read by the actor's loss as it is). Defaults are the ARPO reference's (ARPO_REFERENCE.md §2.1, §3.3) unless noted.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from megatron_arpo.tools.config import (  # noqa: F401  (the tools own their sec
     ToolsSection,
 )
 from megatron_arpo.cluster.launch_options import LauncherSection  # noqa: F401  (composed here)
+from megatron_arpo.rollout.config import RolloutSection  # noqa: F401  (composed here)
 
 _f = setting
 
@@ -79,44 +81,7 @@ class ActorSection:
 
 
 # ------------------------------------------------------------------------------------------- rollout
-@dataclass(frozen=True)
-class RolloutSection:
-    num_engines: int = _f(1, ge=1, help="vLLM engines in the rollout group")
-    tensor_parallel: Optional[int] = _f(None, ge=1, help="TP per engine; null = model config default")
-    cpu_kv_cache_gib: float = _f(1.0, gt=0, help="VLLM_CPU_KVCACHE_SPACE per engine on CPU")
-    gpu_memory_utilization: float = _f(0.6, gt=0, le=1, help="vLLM share of GPU memory on GPU")
-    cpu_omp_threads_bind: Optional[str] = _f(None, help="VLLM_CPU_OMP_THREADS_BIND; null = leave unset")
-    max_model_len: Optional[int] = _f(None, ge=1, help="null = data.max_prompt_tokens + response_length")
-    max_num_seqs: Optional[int] = _f(None, ge=1, help="vLLM max_num_seqs; null = vLLM default")
-    max_num_batched_tokens: Optional[int] = _f(None, ge=1, help="vLLM max_num_batched_tokens; null = vLLM default")
-    enable_prefix_caching: bool = _f(True)
-    n: int = _f(16, ge=1, le=4096, help="trajectories per prompt (global budget M)")
-    initial_rollouts: int = _f(8, ge=1, help="fresh trajectories started per prompt; = n is plain GRPO")
-    beam_size: int = _f(2, ge=1, help="a branch decision forks up to beam_size - 1 copies")
-    branch_threshold: float = _f(0.5, ge=0, le=1, help="tau. ARPO: branch iff clip(U - beta*dH, 0, 1) <= tau, P = tau + beta*dH; AEPO: branch iff clip((U + beta*dH)*(1 - penalty*c), 0, 1) >= tau, P = 1 - tau + beta*dH at c = 0 (so AEPO's tau = 1 - ARPO's). The published 0.5 assumes branch_timing: reference; with after_result lower it by beta*E[dH at 1st decision] (ARPO) or raise it (AEPO) to get the published first-decision rate (table: megatron_arpo/algo/branching.py)")
-    entropy_weight: float = _f(0.2, ge=0, help="beta, weight of the entropy change dH (both variants). The published 0.2 is on the reference estimator's scale; with entropy_estimator: mean use about 0.2*window*ln(logprobs_topk)/ln|V| (0.77 for 20, 10, Qwen; less when segments are shorter than the window)")
-    entropy_window: int = _f(20, ge=1, help="tokens after a tool result that the entropy is measured on")
-    entropy_estimator: Literal["reference", "mean"] = _f("reference", help="reference: sum over <= window positions / ln/V/, 0..~3.9, grows with segment length (the published tau/beta's scale); mean: per-token top-k entropy / ln k, 0..1, length independent")
-    branch_timing: Literal["after_result", "reference"] = _f("after_result", help="after_result: a decision reads the first window tokens after the tool result (dH != 0 from the 1st decision); reference: the segment that ended with the call (1st decision dH = 0, P = tau)")
-    logprobs_topk: int = _f(10, ge=1, help="top-k log-probs per position of the entropy window (other tokens: the sampled one's only)")
-    variant: Literal["arpo", "aepo"] = _f("arpo", help="branching rule")
-    dynamic_initial_rollouts: bool = _f(False, help="AEPO entropy pre-monitoring sets initial_rollouts per prompt")
-    initial_entropy_tokens: int = _f(50, ge=1, help="AEPO pre-monitoring: tokens sampled for H_root")
-    consecutive_branch_penalty: float = _f(0.05, ge=0, help="AEPO consecutive-branch penalty factor")
-    call_limit: int = _f(3, ge=0, help="tool calls per trajectory")
-    response_length: int = _f(4096, ge=1, help="tokens after the prompt (model + tool tokens)")
-    temperature: float = _f(1.0, gt=0)
-    top_p: float = _f(1.0, gt=0, le=1)
-    top_k: int = _f(-1, ge=-1, help="-1 disables")
-    seed: int = _f(0, ge=0, help="sampling seed and the branch-draw RNG stream")
-    scheduler: Literal["async", "barrier"] = _f("async", help="barrier = reference-style rounds (for benchmarks)")
-    verify_sync: bool = _f(False, help="checksum sampled tensors on both sides of every weight sync")
-    sync_bucket_mb: int = _f(512, ge=1, help="weight-sync bucket size")
-    sync_transport: Literal["auto", "gloo", "nccl", "ipc"] = _f(
-        "auto", help="weight-sync transport (actor ranks -> engines): auto = gloo on CPU, ipc colocated, nccl "
-                     "for separate GPU pools")
-    enable_sleep_mode: bool = _f(False, help="colocated: vLLM sleeps while the actor trains (CUDA; on CPU the same phase switch runs and frees nothing)")
-    sleep_level: int = _f(2, ge=1, le=2, help="1: weights kept in host memory while asleep; 2: dropped (the sync after every update re-sends them)")
+# RolloutSection: megatron_arpo/rollout/config.py (the scheduler's RolloutOptions extends it).
 
 
 # ----------------------------------------------------------------------------------------- algorithm

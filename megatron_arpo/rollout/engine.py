@@ -56,6 +56,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
+from megatron_arpo.rollout.config import RolloutSection
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["EngineConfig", "SegmentOutput", "SegmentRequest", "VllmEngine", "create_engine_actor", "engine_env",
@@ -75,9 +77,9 @@ class SegmentRequest:
     stop_token_ids: list[int] = field(default_factory=list)
     stop: list[str] = field(default_factory=list)   # stop strings; need an engine with a tokenizer
     seed: Optional[int] = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
+    temperature: float = RolloutSection.temperature
+    top_p: float = RolloutSection.top_p
+    top_k: int = RolloutSection.top_k
     logprobs: int = 10                              # top-k alternatives returned per generated position
     # ... for the first N generated positions only (None = all); the sampled token's log-prob is always
     # returned. The engine trims before the output leaves its process (vLLM computes top-k for every
@@ -109,25 +111,26 @@ class SegmentOutput:
 
 @dataclass
 class EngineConfig:
-    """Engine construction options. ``from_rollout_section`` maps the ``rollout`` config section."""
+    """Engine construction options. ``from_rollout_section`` maps the ``rollout`` config section; the
+    settings that come from it take their defaults from it (``RolloutSection``)."""
 
     model: str
     tensor_parallel_size: int = 1
     dtype: str = "auto"
-    max_model_len: Optional[int] = None
-    seed: int = 0
+    max_model_len: Optional[int] = RolloutSection.max_model_len
+    seed: int = RolloutSection.seed
     block_size: Optional[int] = None        # CPU attention needs a multiple of 32
-    enable_prefix_caching: bool = True
-    gpu_memory_utilization: float = 0.6
-    max_num_seqs: Optional[int] = None
-    max_num_batched_tokens: Optional[int] = None
+    enable_prefix_caching: bool = RolloutSection.enable_prefix_caching
+    gpu_memory_utilization: float = RolloutSection.gpu_memory_utilization
+    max_num_seqs: Optional[int] = RolloutSection.max_num_seqs
+    max_num_batched_tokens: Optional[int] = RolloutSection.max_num_batched_tokens
     enforce_eager: bool = False
     skip_tokenizer_init: bool = False       # True: no detokenizer, so no stop strings (token-id stops only)
-    cpu_kv_cache_gib: float = 1.0
-    cpu_omp_threads_bind: Optional[str] = None
+    cpu_kv_cache_gib: float = RolloutSection.cpu_kv_cache_gib
+    cpu_omp_threads_bind: Optional[str] = RolloutSection.cpu_omp_threads_bind
     # vLLM's sleep mode (CUDA only: its CPU platform refuses the flag). Without it a CPU engine still
     # runs sleep/wake_up, which pause the scheduler and track the sleeping tags while freeing nothing.
-    enable_sleep_mode: bool = False
+    enable_sleep_mode: bool = RolloutSection.enable_sleep_mode
     weight_transfer: Optional[str] = None   # gloo | nccl | ipc (weight_sync.TRANSPORTS); None: no weight sync
     extra: dict[str, Any] = field(default_factory=dict)    # any other vllm.LLM keyword
 

@@ -76,6 +76,7 @@ from typing import Any, Optional, Sequence
 
 from megatron_arpo.algo.branching import BranchRng, aepo_initial_rollouts, branch_score, should_branch
 from megatron_arpo.algo.entropy import segment_entropy
+from megatron_arpo.rollout.config import RolloutSection
 from megatron_arpo.rollout.engine import SegmentOutput, SegmentRequest
 from megatron_arpo.rollout.group import EngineHandle, RolloutGroup
 from megatron_arpo.rollout.ledger import DecisionLedger, PendingDecision
@@ -88,30 +89,9 @@ __all__ = ["RolloutOptions", "RolloutPrompt", "RolloutResult", "RolloutScheduler
 
 
 @dataclass(frozen=True)
-class RolloutOptions:
-    """Scheduler options. Field names equal `megatron_arpo.config.RolloutSection`'s (see from_config)."""
+class RolloutOptions(RolloutSection):
+    """Scheduler options: the ``rollout`` config section (every setting and default) plus run-time switches."""
 
-    n: int = 16
-    initial_rollouts: int = 8
-    beam_size: int = 2
-    branch_threshold: float = 0.5
-    entropy_weight: float = 0.2
-    entropy_window: int = 20
-    entropy_estimator: str = "reference"
-    branch_timing: str = "after_result"
-    logprobs_topk: int = 10
-    variant: str = "arpo"
-    dynamic_initial_rollouts: bool = False
-    initial_entropy_tokens: int = 50
-    consecutive_branch_penalty: float = 0.05
-    call_limit: int = 3
-    response_length: int = 4096
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    seed: int = 0
-    scheduler: str = "async"
-    max_model_len: Optional[int] = None
     greedy: bool = False
     # Test steering only: sampling restricted to these ids (at most 1024, vLLM's GPU limit). Training never
     # sets it (no 151k-id allow-list per request): the sampled ids are checked after the fact instead.
@@ -134,9 +114,9 @@ class RolloutOptions:
             raise ValueError(f"rollout.call_limit={self.call_limit} must be >= 0")
 
     @classmethod
-    def from_config(cls, section: Any, **overrides: Any) -> "RolloutOptions":
-        """From `RolloutSection` (or any object with the same attribute names); unknown fields ignored."""
-        values = {f.name: getattr(section, f.name) for f in dataclasses.fields(cls) if hasattr(section, f.name)}
+    def from_config(cls, section: RolloutSection, **overrides: Any) -> "RolloutOptions":
+        """The ``rollout`` section's values, with ``overrides`` (``greedy``, ``allowed_token_ids``, ...)."""
+        values = {f.name: getattr(section, f.name) for f in dataclasses.fields(RolloutSection)}
         values.update(overrides)
         return cls(**values)
 
