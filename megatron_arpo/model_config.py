@@ -40,8 +40,9 @@ def rope_scaling_from_dict(data: Any, where: str) -> RopeScaling | None:
     if not isinstance(data, Mapping):
         raise ValueError(f"{where}: rope_scaling must be a mapping or null, got {data!r}")
     data = dict(data)
-    if "type" in data and "rope_type" not in data:
-        data["rope_type"] = data.pop("type")
+    legacy_type = data.pop("type", None)  # transformers < 4.45 wrote "type" (later ones may write both)
+    if legacy_type is not None:
+        data.setdefault("rope_type", legacy_type)
     data.pop("rope_theta", None)  # transformers >= 5 keeps rope_theta inside rope_parameters
     rope_type = data.get("rope_type", "default")
     if rope_type == "default" and set(data) <= {"rope_type"}:

@@ -264,7 +264,8 @@ def test_llama_rope_scaling_is_read_in_every_spelling():
     del legacy["rope_scaling"]["rope_type"]  # transformers < 4.45 wrote "type"
     v5 = {k: v for k, v in published.items() if k not in ("rope_scaling", "rope_theta")}
     v5["rope_parameters"] = {**published["rope_scaling"], "rope_theta": 500000.0}  # transformers >= 5
-    for hf in (published, legacy, v5):
+    both = {**published, "rope_scaling": {**published["rope_scaling"], "type": "llama3"}}
+    for hf in (published, legacy, both, v5):
         check_hf_config(cfg, hf)
     plain = {**published, "rope_scaling": None}  # Llama 3.0: plain RoPE, a different model
     with pytest.raises(ValueError, match=r"rope_scaling: model config says RopeScaling\(rope_type='llama3'"):
