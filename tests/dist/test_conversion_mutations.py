@@ -13,7 +13,6 @@ biases (:mod:`megatron_arpo.tiny.checkpoint`); with unit norms the two norm swap
 from __future__ import annotations
 
 import dataclasses
-from types import MappingProxyType
 
 import pytest
 import torch
@@ -80,16 +79,17 @@ def mutation_worker(rank, world_size, hf_dir, name, tp, mutations):
 
     from conversion.parity import parity_worker
 
-    pristine = mapping.MAPPING_TABLES
+    pristine = mapping.get_table  # what bind_table reads the family's table through
     outcomes = {}
     for label in [None, *mutations]:
-        tables = dict(pristine)
         if label is not None:
             wanted, mutate = MUTATIONS[label]
-            for model_type in tables:
-                if wanted in (None, model_type):
-                    tables[model_type] = mutate(tables[model_type])
-        mapping.MAPPING_TABLES = MappingProxyType(tables)
+
+            def mutated_table(model_type, wanted=wanted, mutate=mutate):
+                table = pristine(model_type)
+                return mutate(table) if wanted in (None, model_type) else table
+
+            mapping.get_table = mutated_table
         try:
             result = parity_worker(rank, world_size, hf_dir, name, tp, 1, TOKENS)
             outcomes[label] = {"error": None, "max_abs_diff": result["max_abs_diff"],
@@ -97,7 +97,7 @@ def mutation_worker(rank, world_size, hf_dir, name, tp, mutations):
         except (ValueError, KeyError, RuntimeError) as exc:
             outcomes[label] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
         finally:
-            mapping.MAPPING_TABLES = pristine
+            mapping.get_table = pristine
             if parallel_state.model_parallel_is_initialized():
                 parallel_state.destroy_model_parallel()
     return outcomes
