@@ -169,7 +169,13 @@ def test_a_closing_tag_split_over_the_probe_and_its_continuation(tok, protocol):
     second = root.segments[1]
     assert second.num_requests == 2  # probe + continuation
     assert root.response_ids[second.start:second.start + second.num_tokens] == head + [522, 1836, 29]
-    assert result.stats["tokens_after_stop_dropped"] == len(tok.encode(" tail text")) + 1
+    # Every probe that stops inside the tag is continued, and the continuation's tokens after the tag are
+    # dropped: here the root's q2 segment, and (after-result decisions are always probed) the segment after
+    # the q2 result, in the root and in the branch, which re-run the same plan.
+    split = [(t.origin, s.start) for t in result.trajectories() for s in t.segments
+             if s.num_requests == 2 and t.response_ids[s.start + s.num_tokens - 3:s.start + s.num_tokens] == [522, 1836, 29]]
+    assert ("initial", second.start) in split and len(split) == 3
+    assert result.stats["tokens_after_stop_dropped"] == len(split) * (len(tok.encode(" tail text")) + 1)
     assert search.queries.count("q2") == 2  # the branch re-sampled the same plan and called too
 
 
