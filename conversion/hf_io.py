@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 if TYPE_CHECKING:
     import torch
 
-from conversion.outdir import atomic_output_dir, check_output_dir  # noqa: F401  (the writers' entry points)
+from conversion.outdir import atomic_output_dir, check_output_dir, write_json  # noqa: F401  (the writers' entry points)
 
 logger = logging.getLogger(__name__)
 
@@ -317,14 +317,6 @@ def _copy_file_range(src: int, src_offset: int, dst: int, dst_offset: int, nbyte
         if n == 0:
             raise ValueError(f"source file ended {nbytes - done} bytes early while copying (truncated?)")
         done += n
-
-
-def write_json(path: Path, data: Mapping) -> None:
-    with open(path, "w") as fh:
-        json.dump(data, fh, indent=2, sort_keys=True)
-        fh.write("\n")
-        fh.flush()
-        os.fsync(fh.fileno())
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",

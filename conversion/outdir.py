@@ -175,9 +175,16 @@ def _make_sibling(out: Path, kind: str) -> Path:
             continue
 
 
-def write_marker(directory: Path, report: Mapping | None = None) -> None:
-    from conversion.hf_io import write_json
+def write_json(path: Path, data: Mapping) -> None:
+    """Write ``data`` as sorted, indented JSON and fsync it (the caller renames the directory into place)."""
+    with open(path, "w") as fh:
+        json.dump(data, fh, indent=2, sort_keys=True)
+        fh.write("\n")
+        fh.flush()
+        os.fsync(fh.fileno())
 
+
+def write_marker(directory: Path, report: Mapping | None = None) -> None:
     write_json(directory / MARKER, {"format": MARKER_FORMAT, "version": 1, **(report or {})})
 
 
