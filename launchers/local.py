@@ -87,7 +87,7 @@ class LocalLaunch:
 def plan_local_launch(cfg, num_nodes: int = 1, command: Sequence[str] | None = None,
                       job_id: str | None = None) -> LocalLaunch:
     """The commands of a local launch of experiment config ``cfg`` (an ``ExperimentConfig``)."""
-    from launchers.slurm import ray_node_args
+    from megatron_arpo.cluster.launch_options import ray_node_args
     from megatron_arpo.cluster.bootstrap import NodeOptions, plan_from_launcher
 
     if num_nodes < 1:

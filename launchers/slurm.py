@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from launchers.options import LauncherOptions, launcher_options
+from megatron_arpo.cluster.launch_options import ray_node_args
 
 logger = logging.getLogger(__name__)
 
@@ -69,32 +70,6 @@ def log_paths(opts: LauncherOptions, job_id: str, run_dir: str | None = None) ->
     logs = Path(run_dir or opts.run_dir) / "logs"
     return [str(logs / f"{opts.job_name}-{job_id}.out")] + [
         str(logs / f"{opts.job_name}-{job_id}-node{k}.out") for k in range(opts.nodes)]
-
-
-def ray_node_args(opts, *, run_dir: str, log_template: str, quote=lambda text: text,
-                  detect_gpus: bool = False) -> list[str]:
-    """The ``python -m launchers ray-node`` options for a launcher config: the port plan, timeouts,
-    temp root, NIC, resources and where Ray's session logs are copied. The sbatch script renders them
-    (``quote=shlex.quote``, shell variables in ``run_dir``/``log_template``); ``connect_ray`` passes them
-    to srun as a plain argv; ``launch local`` too, with ``detect_gpus`` (Ray counts this host's GPUs
-    unless the config says 0)."""
-    args = [f"--run-dir={run_dir}", f"--port-range={opts.ray_port_range}", f"--ports-per-node={opts.ray_ports_per_node}"]
-    for key, flag in (("ray_node_port_base", "node-port-base"), ("ray_gcs_port", "gcs-port"),
-                      ("ray_client_server_port", "client-server-port")):
-        if getattr(opts, key) is not None:
-            args.append(f"--{flag}={getattr(opts, key)}")
-    args += [f"--ready-timeout={opts.ready_timeout:g}", f"--temp-root={quote(opts.temp_root)}",
-             f"--node-log-template={log_template}", f"--ray-log-dir={run_dir}/logs/ray",
-             f"--log-sync-seconds={opts.ray_log_sync_seconds}"]
-    if opts.network_interface:
-        args.append(f"--interface={quote(opts.network_interface)}")
-    if opts.num_cpus is not None:
-        args.append(f"--num-cpus={opts.num_cpus}")
-    if not detect_gpus or opts.gpus_per_node == 0:
-        args.append(f"--num-gpus={opts.gpus_per_node}")
-    if opts.object_store_memory is not None:
-        args.append(f"--object-store-memory={opts.object_store_memory}")
-    return args
 
 
 def container_mount_paths(cfg: Any) -> list[str]:

@@ -170,7 +170,7 @@ class SlurmRayStep:
                 f"--output={self.log_template.replace('{node_id}', '%n')}"]
         if getattr(la, "cpus_per_task", None):
             srun.append(f"--cpus-per-task={la.cpus_per_task}")
-        from launchers.slurm import ray_node_args
+        from megatron_arpo.cluster.launch_options import ray_node_args
 
         node = [python, "-m", "launchers", "ray-node", f"--job-id={self.job_id}",
                 *ray_node_args(la, run_dir=str(self.run_dir), log_template=str(self.log_template))]
