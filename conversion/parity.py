@@ -1,7 +1,7 @@
 """Numerical checks shared by ``verify`` and the dist tests: Megatron vs HF logits, export round trip.
 
 :func:`parity_worker` runs on every rank of a gloo group of size ``tp * pp`` (spawned by
-``megatron_arpo.cluster.local_ranks.run_distributed``): it builds the Megatron model for its rank in fp32, loads
+``megatron_arpo.actor.local_ranks.run_distributed``): it builds the Megatron model for its rank in fp32, loads
 the HF checkpoint through :func:`conversion.live.load_hf_into_megatron` (or a Megatron distributed
 checkpoint through Megatron's own ``dist_checkpointing.load`` when ``megatron_dir`` is given), runs a
 forward pass on fixed tokens (pipeline stages handed over with plain send/recv) and compares

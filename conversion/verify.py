@@ -52,7 +52,7 @@ def run_verify(hf_dir: str, emit: Callable[[str], None], model_config: str | Non
     from conversion.hf_io import HFCheckpointReader
     from conversion.parity import parity_worker
     from megatron_arpo.model_config import load_model_config, model_config_from_hf, read_hf_config
-    from megatron_arpo.cluster.local_ranks import run_distributed
+    from megatron_arpo.actor.local_ranks import run_distributed
 
     cfg = load_model_config(model_config) if model_config else model_config_from_hf(read_hf_config(hf_dir))
     layouts = list(layouts or DEFAULT_LAYOUTS)

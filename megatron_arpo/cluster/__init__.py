@@ -5,5 +5,4 @@
 - ``allocation``: the CPUs an allocation really gives a node; Ray's session logs copied to the run dir.
 - ``runtime``: ``connect_ray`` (join, form inside an allocation, or start a private local instance).
 - ``placement`` / ``worker_group``: resource pools and one Ray actor per rank.
-- ``local_ranks``: ``run_distributed`` on local gloo ranks (``python -m conversion verify``, CPU tests).
 """

@@ -5,7 +5,7 @@
   real Qwen BPE tokenizer (``megatron_arpo.tiny``, ``megatron_arpo.tiny.qwen_tokenizer``).
 - ``megatron_arpo.testing.real_shaped``: bf16, sharded checkpoints with real models' published config.json
   field sets (fewer layers, optionally narrower) for conversion tests.
-- ``megatron_arpo.testing.dist``: the gloo multi-process runner (``megatron_arpo.cluster.local_ranks``).
+- ``megatron_arpo.testing.dist``: the gloo multi-process runner (``megatron_arpo.actor.local_ranks``).
 
 The implementations are production modules (the demo and ``python -m conversion verify`` use them);
 production code never imports this package.

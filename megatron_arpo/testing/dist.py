@@ -1,6 +1,6 @@
-"""Tests' name for :mod:`megatron_arpo.cluster.local_ranks`, which production code uses (this module *is* that one)."""
+"""Tests' name for :mod:`megatron_arpo.actor.local_ranks`, which production code uses (this module *is* that one)."""
 
 import importlib
 import sys
 
-sys.modules[__name__] = importlib.import_module("megatron_arpo.cluster.local_ranks")
+sys.modules[__name__] = importlib.import_module("megatron_arpo.actor.local_ranks")
