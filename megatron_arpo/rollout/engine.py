@@ -65,6 +65,8 @@ __all__ = ["EngineConfig", "SegmentOutput", "SegmentRequest", "VllmEngine", "cre
 
 
 MAX_ALLOWED_TOKEN_IDS = 1024  # vllm/v1/worker/gpu/sample/logit_bias.py refuses more (vLLM 0.32)
+MAX_LOGIT_BIAS_TOKENS = 1024  # the same file's limit on a request's logit_bias entries
+PADDED_ROW_BIAS = -100.0      # vLLM clamps logit_bias to [-100, 100]
 
 
 @dataclass
@@ -85,9 +87,9 @@ class SegmentRequest:
     # returned. The engine trims before the output leaves its process (vLLM computes top-k for every
     # position of a request that asks for any); with 0 it asks vLLM for the sampled log-prob alone.
     top_logprobs_positions: Optional[int] = None
-    # Sample only these ids (tests steer a random tiny model with a handful). Training never restricts: a
-    # trained model does not sample Qwen's padded LM-head rows, and the scheduler checks the sampled ids
-    # after the fact. vLLM's GPU model runner takes at most MAX_ALLOWED_TOKEN_IDS.
+    # Sample only these ids (tests steer a random tiny model with a handful). Training never restricts: the
+    # engine biases Qwen's padded LM-head rows away (``VllmEngine._padded_row_bias``), and the scheduler checks
+    # the sampled ids after the fact. vLLM's GPU model runner takes at most MAX_ALLOWED_TOKEN_IDS.
     allowed_token_ids: Optional[list[int]] = None
 
     def __post_init__(self) -> None:
@@ -255,6 +257,7 @@ class VllmEngine:
         self._llm = LLM(**kwargs)
         self._engine = self._llm.llm_engine
         self.max_model_len = int(self._llm.llm_engine.model_config.max_model_len)
+        self._padded_bias = self._padded_row_bias()
         logger.info("engine %d: %s ready in %.1f s (max_model_len %d)", engine_index, cfg.model,
                     time.monotonic() - start, self.max_model_len)
         self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-engine")
@@ -270,6 +273,28 @@ class VllmEngine:
         self._updating: Optional[str] = None   # set between start_weight_update and a finished update
         self._stats = {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0,
                        "steps": 0, "max_in_flight": 0}
+
+    def _padded_row_bias(self) -> Optional[dict[int, float]]:
+        """Qwen checkpoints pad the LM head beyond the tokenizer (QwQ: 152,064 rows for 151,669 ids; Qwen3:
+        151,936). A trained model gives those rows negligible probability, but a barely trained one samples
+        them (a random row every few hundred tokens at temperature 1), and no text decodes from them. Every
+        request biases them by -100, which vLLM's GPU runner accepts up to 1,024 entries (the 151k-id
+        allow-list it refuses is not needed). More padded rows than that: the scheduler's after-the-fact
+        check of the sampled ids is the guard."""
+        if self.cfg.skip_tokenizer_init:
+            return None
+        rows = int(self._engine.model_config.get_vocab_size())
+        ids = len(self._llm.get_tokenizer())
+        if rows <= ids:
+            return None
+        if rows - ids > MAX_LOGIT_BIAS_TOKENS:
+            logger.warning("engine %d: %d padded LM-head rows (model %d, tokenizer %d) exceed vLLM's %d logit-bias "
+                           "entries; they are not masked, and a sampled padded id fails the step", self.engine_index,
+                           rows - ids, rows, ids, MAX_LOGIT_BIAS_TOKENS)
+            return None
+        logger.info("engine %d: %d padded LM-head rows (%d..%d) biased by %g in every request", self.engine_index,
+                    rows - ids, ids, rows - 1, PADDED_ROW_BIAS)
+        return {i: PADDED_ROW_BIAS for i in range(ids, rows)}
 
     # ------------------------------------------------------------------ generation
     async def generate(self, request: SegmentRequest) -> SegmentOutput:
@@ -362,6 +387,7 @@ class VllmEngine:
                 top_k=req.top_k, seed=req.seed, logprobs=0 if req.top_logprobs_positions == 0 else req.logprobs,
                 stop_token_ids=list(req.stop_token_ids), stop=list(req.stop) or None,
                 include_stop_str_in_output=True, allowed_token_ids=req.allowed_token_ids,
+                logit_bias=self._padded_bias,
                 detokenize=not self.cfg.skip_tokenizer_init,
             )
             self._engine.add_request(rid, TokensPrompt(prompt_token_ids=list(req.prompt_token_ids)), params)

@@ -47,6 +47,31 @@ def generate(engine, **kw):
     return asyncio.run(engine.generate(SegmentRequest(**kw)))
 
 
+def test_padded_lm_head_rows_are_never_sampled(engine, qwen3_tokenizer):
+    """Qwen3's LM head has 267 rows beyond the tokenizer's 151,669 ids. At temperature 2 (flattening the random
+    model's distribution), unmasked, some of 4,800 draws land on them (a barely trained policy does the same
+    at temperature 1, which failed the real-vocabulary e2e run); with the engine's -100 bias on those rows, none.
+    """
+    assert sorted(engine._padded_bias) == list(range(len(qwen3_tokenizer), 151936))
+    prompt = qwen3_tokenizer.encode("Hello world")
+
+    async def draws(tag):
+        outs = await asyncio.gather(*(engine.generate(SegmentRequest(
+            request_id=f"{tag}{k}", prompt_token_ids=prompt, max_tokens=600, temperature=2.0, seed=k, logprobs=0,
+            top_logprobs_positions=0)) for k in range(8)))
+        return [t for out in outs for t in out.token_ids]
+
+    bias, engine._padded_bias = engine._padded_bias, None
+    try:
+        unmasked = asyncio.run(draws("unmasked"))
+    finally:
+        engine._padded_bias = bias
+    masked = asyncio.run(draws("masked"))
+    assert len(masked) > 4000 and len(unmasked) > 4000
+    assert sum(t >= len(qwen3_tokenizer) for t in unmasked) >= 1  # the rows are reachable: the check can fail
+    assert not [t for t in masked if t >= len(qwen3_tokenizer)]
+
+
 def test_a_stop_string_ending_inside_a_token_keeps_that_token(engine, qwen3_tokenizer):
     prompt = qwen3_tokenizer.encode("Hello world")
     # ">\n" repeated: "\n>" completes inside the 2nd token (its ">" is the string's last character).
