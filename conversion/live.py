@@ -33,6 +33,7 @@ import torch
 from conversion import mapping
 from conversion.hf_io import HFCheckpointReader
 from megatron_arpo.model_config import ModelConfig, check_hf_config, read_hf_config
+from megatron_arpo.rollout.weight_sync import pack_in_order
 
 logger = logging.getLogger(__name__)
 
@@ -199,28 +200,11 @@ def plan_stage_buckets(rules: Sequence[mapping.BoundRule], cfg: ModelConfig, dty
     correctly only when all its parts arrive together, and its layerwise reload buffers a layer until it
     is complete. A layer larger than ``bucket_bytes`` is a bucket of its own.
     """
-    if bucket_bytes < 1:
-        raise ValueError(f"bucket_bytes={bucket_bytes} must be >= 1 (rollout.sync_bucket_mb)")
     itemsize = torch.empty((), dtype=dtype).element_size()
-    units: list[tuple[object, list[mapping.BoundRule], int]] = []
-    for rule in rules:
-        size = sum(math.prod(shape) * itemsize for _, shape in _hf_outputs(rule, cfg, dtype, aliases))
-        key = rule.layer if rule.layer is not None else rule.megatron
-        if units and units[-1][0] == key:
-            units[-1][1].append(rule)
-            units[-1] = (key, units[-1][1], units[-1][2] + size)
-        else:
-            units.append((key, [rule], size))
-    buckets: list[list[mapping.BoundRule]] = []
-    filled = 0
-    for _, unit, size in units:
-        if buckets and filled + size <= bucket_bytes:
-            buckets[-1].extend(unit)
-            filled += size
-        else:
-            buckets.append(list(unit))
-            filled = size
-    return buckets
+    sized = [(rule.layer if rule.layer is not None else rule.megatron,
+              sum(math.prod(shape) * itemsize for _, shape in _hf_outputs(rule, cfg, dtype, aliases)))
+             for rule in rules]
+    return [[rules[i] for i in bucket] for bucket in pack_in_order(sized, bucket_bytes)]
 
 
 def _bucket_layout(bucket: Sequence[mapping.BoundRule], cfg: ModelConfig, dtype: torch.dtype,

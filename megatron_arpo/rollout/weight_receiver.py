@@ -94,6 +94,15 @@ class _LoadChecks:
     def _begin(self) -> None:
         self._session = _Session()
 
+    def start_weight_update(self) -> None:
+        """vLLM's own engines (NCCL, IPC): their start, bracketed by the checks' session."""
+        self._begin()
+        super().start_weight_update()
+
+    def finish_weight_update(self) -> None:
+        super().finish_weight_update()
+        self._end()
+
     def _checked_load(self, model: Any, info: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
         session: _Session = getattr(self, "_session", None) or _Session()
         expected = getattr(info, "expected", None) or {}
@@ -257,14 +266,6 @@ class StagedNCCLWeightTransferEngine(_LoadChecks, NCCLWeightTransferEngine):
             self._stage_groups.append(worker_init_process_group(info, self.parallel_config))
         self.model_update_group = self._stage_groups[0]
 
-    def start_weight_update(self) -> None:
-        self._begin()
-        super().start_weight_update()
-
-    def finish_weight_update(self) -> None:
-        super().finish_weight_update()
-        self._end()
-
     def receive_weights(self, update_info: StagedNCCLUpdateInfo) -> None:
         groups = getattr(self, "_stage_groups", [])
         if not 0 <= update_info.stage < len(groups):
@@ -292,14 +293,6 @@ class VerifiedIPCWeightTransferEngine(_LoadChecks, IPCWeightTransferEngine):
     """vLLM's IPC engine (packed) with the verify checks around its load."""
 
     update_info_cls = VerifiedIPCUpdateInfo
-
-    def start_weight_update(self) -> None:
-        self._begin()
-        super().start_weight_update()
-
-    def finish_weight_update(self) -> None:
-        super().finish_weight_update()
-        self._end()
 
     def receive_weights(self, update_info: VerifiedIPCUpdateInfo) -> None:
         with self._loading_through_checks(update_info):

@@ -105,32 +105,36 @@ def layer_key(name: str) -> str:
     return match.group(1) if match else name
 
 
-def plan_buckets(items: Sequence[tuple[str, int]], bucket_bytes: int) -> list[list[int]]:
-    """Indices of ``(name, nbytes)`` items grouped in order into buckets of about ``bucket_bytes``.
-
-    A bucket closes only between decoder layers (see the module docstring): the items of one layer
-    (consecutive, by `layer_key`) always go together, and a layer larger than a bucket goes alone.
-    """
+def pack_in_order(items: Sequence[tuple[object, int]], bucket_bytes: int) -> list[list[int]]:
+    """Indices of ``(unit key, nbytes)`` items grouped in order into buckets of about ``bucket_bytes``:
+    consecutive items with the same key always share a bucket, and a unit larger than a bucket goes alone."""
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes={bucket_bytes} must be >= 1 (rollout.sync_bucket_mb)")
-    units: list[tuple[list[int], int]] = []
-    for index, (name, nbytes) in enumerate(items):
-        key = layer_key(name)
-        if units and layer_key(items[units[-1][0][-1]][0]) == key:
-            units[-1][0].append(index)
-            units[-1] = (units[-1][0], units[-1][1] + nbytes)
+    units: list[tuple[object, list[int], int]] = []
+    for index, (key, nbytes) in enumerate(items):
+        if units and units[-1][0] == key:
+            units[-1] = (key, units[-1][1] + [index], units[-1][2] + nbytes)
         else:
-            units.append(([index], nbytes))
+            units.append((key, [index], nbytes))
     buckets: list[list[int]] = []
     size = 0
-    for indices, nbytes in units:
-        if buckets and buckets[-1] and size + nbytes <= bucket_bytes:
+    for _, indices, nbytes in units:
+        if buckets and size + nbytes <= bucket_bytes:
             buckets[-1].extend(indices)
             size += nbytes
         else:
             buckets.append(list(indices))
             size = nbytes
     return buckets
+
+
+def plan_buckets(items: Sequence[tuple[str, int]], bucket_bytes: int) -> list[list[int]]:
+    """Indices of ``(name, nbytes)`` items grouped in order into buckets of about ``bucket_bytes``.
+
+    A bucket closes only between decoder layers (see the module docstring): the items of one layer
+    (consecutive, by `layer_key`) always go together, and a layer larger than a bucket goes alone.
+    """
+    return pack_in_order([(layer_key(name), nbytes) for name, nbytes in items], bucket_bytes)
 
 
 def bucket_named_tensors(named_tensors: Iterable[tuple[str, Any]], bucket_bytes: int) -> Iterator[list[tuple[str, Any]]]:
