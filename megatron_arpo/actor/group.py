@@ -210,11 +210,17 @@ class ActorGroup:
         verify = r.verify_sync if verify is None else verify
         sync_id = ws.next_sync_id()
         start = time.perf_counter()
-        ws.call_engines(refs, "start_weight_update", timeout=timeout)
         args = (sync_id, int(r.sync_bucket_mb * 2**20), VERIFY_FRACTION if verify else 0.0)
-        senders = self._call_senders("send_weights", *args, timeout=timeout)
-        engine_reports = ws.call_engines(refs, "finish_weight_update", timeout=timeout)
-        ws.call_engines(refs, "reset_prefix_cache", timeout=timeout)
+        try:
+            ws.call_engines(refs, "start_weight_update", timeout=timeout)
+            senders = self._call_senders("send_weights", *args, timeout=timeout)
+            engine_reports = ws.call_engines(refs, "finish_weight_update", timeout=timeout)
+            ws.call_engines(refs, "reset_prefix_cache", timeout=timeout)
+        except Exception:
+            # The transfer group may hold a dead engine or a half-sent bucket: the next sync forms a new one
+            # (the ranks leave this one when they reserve the next: ActorSync.reserve).
+            self._sync = None
+            raise
         moved = [ws.payload_bytes(x) for x in ([args] * self.world_size + senders + engine_reports)]
         report = ws.merge_reports(senders, engine_reports, sync_id, time.perf_counter() - start,
                                   driver_bytes=sum(p for p, _ in moved))

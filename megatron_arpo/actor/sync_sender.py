@@ -87,28 +87,55 @@ class ActorSync:
     def _send_stages(self, sync_id: int, bucket_bytes: int, verify_fraction: float) -> dict:
         from megatron.core import parallel_state
 
-        from conversion.live import stage_hf_buckets
-
         w = self.worker
         if w.dp_rank != 0:
             return {}
-        pp_group = parallel_state.get_pipeline_model_parallel_group()
         report: dict = {}
+        failure: Optional[BaseException] = None
         for stage in range(w.pp):
             if stage == w.pp_rank:
-                if self.sender is not None:
-                    self.sender.begin(sync_id)
-                for bucket in stage_hf_buckets(w.model, w.model_cfg, bucket_bytes,
-                                               tp_group=parallel_state.get_tensor_model_parallel_group(),
-                                               pp_rank=stage, pp_size=w.pp, dst=0, aliases=self.aliases):
-                    if bucket is not None:
-                        self.sender.send(*bucket, verify_fraction=verify_fraction)
-                    del bucket  # sent: the packed bytes are free before the next bucket is gathered
-                if self.sender is not None:
-                    report = self.sender.end()
-            if w.pp > 1:
-                dist.barrier(group=pp_group)  # the next stage starts when this one is done
+                failure, report = self._stream_stage(sync_id, bucket_bytes, verify_fraction)
+            # Every rank of the replica learns whether this stage failed (this also orders the stages: the
+            # next one starts when this one is done). After a failure no later stage sends or gathers.
+            if _any_rank(failure is not None, parallel_state.get_model_parallel_group()):
+                break
+        if failure is not None:
+            raise failure
         return report
+
+    def _stream_stage(self, sync_id: int, bucket_bytes: int,
+                      verify_fraction: float) -> tuple[Optional[BaseException], dict]:
+        """This rank's part of its stage; ``(the sender's failure or None, the sender's report)``.
+
+        A sender that fails (an engine died) keeps taking part in the stage's TP gathers without sending,
+        so that its TP peers finish the stage instead of waiting in the next gather forever.
+        """
+        from megatron.core import parallel_state
+
+        from conversion.live import stage_hf_buckets
+
+        w = self.worker
+        failure: Optional[BaseException] = None
+        if self.sender is not None:
+            self.sender.begin(sync_id)
+        for bucket in stage_hf_buckets(w.model, w.model_cfg, bucket_bytes,
+                                       tp_group=parallel_state.get_tensor_model_parallel_group(),
+                                       pp_rank=w.pp_rank, pp_size=w.pp, dst=0, aliases=self.aliases):
+            if bucket is not None and failure is None:
+                try:
+                    self.sender.send(*bucket, verify_fraction=verify_fraction)
+                except Exception as exc:
+                    failure = exc
+                    logger.warning("weight sync %d: stage %d stops sending (%s); its ranks finish the stage's "
+                                   "gathers", sync_id, w.pp_rank, str(exc).splitlines()[0])
+            del bucket  # sent: the packed bytes are free before the next bucket is gathered
+        report: dict = {}
+        if self.sender is not None and failure is None:
+            try:
+                report = self.sender.end()
+            except Exception as exc:
+                failure = exc
+        return failure, report
 
     def _send_ipc(self, sync_id: int, bucket_bytes: int, verify_fraction: float) -> dict:
         from conversion.live import export_hf_buckets, max_bucket_bytes
@@ -133,3 +160,14 @@ class ActorSync:
             self._endpoint[1].close()
             self._endpoint = None
         self.transport = None
+
+
+def _any_rank(flag: bool, group: Any) -> bool:
+    """True on every rank of ``group`` when ``flag`` is true on any of them (one small all-reduce)."""
+    from megatron_arpo.actor.training import collective_device
+
+    if dist.get_world_size(group=group) == 1:
+        return flag
+    vote = torch.tensor([1 if flag else 0], dtype=torch.int32, device=collective_device())
+    dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=group)
+    return bool(vote.item())

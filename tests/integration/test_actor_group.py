@@ -140,6 +140,21 @@ class WeightHoldingEngine(ScriptedEngine):
         return dict(self.weights)
 
 
+class EngineFailingAtBucket(WeightHoldingEngine):
+    """Fails its first ``update_weights`` of bucket ``bucket`` without receiving: the sender learns of it only
+    after it has gathered the next bucket, in the middle of its stage."""
+
+    def __init__(self, index, bucket):
+        super().__init__(index)
+        self.fail_bucket = bucket
+
+    async def update_weights(self, update_info):
+        if update_info.get("bucket") == self.fail_bucket:
+            self.fail_bucket = None
+            raise RuntimeError(f"injected: engine {self.engine_index} drops bucket {update_info['bucket']}")
+        return await super().update_weights(update_info)
+
+
 def _hf_token_logprobs(hf_dir, seqs):
     from transformers import AutoModelForCausalLM
 
@@ -186,6 +201,15 @@ def test_megatron_tp2_on_two_nodes_matches_hf(ray_two_nodes, tmp_path):
         assert report["tensors"] == len(original) + 1 and report["buckets"] >= 2  # 1 MB buckets
         assert report["driver_weight_bytes"] == 0 and 0 < report["driver_bytes"] < 64 * 1024
         assert report["verified_after_load"] and set(report["verified_after_load"]) == set(report["sampled"])
+
+        # An engine failing mid-stage: the sender's TP peer must finish the stage (not wait in the next
+        # gather forever), and the next sync, into healthy engines, forms a new transfer group and succeeds.
+        failing = [ray.remote(WeightHoldingEngine).options(num_cpus=0).remote(0),
+                   ray.remote(EngineFailingAtBucket).options(num_cpus=0).remote(1, 0)]
+        with pytest.raises(WeightSyncError, match=r"^weight sync: engine 1 failed during bucket 0 of stage 0 "
+                                                  r"\(sync \d+\)"):
+            group.sync_weights(failing, timeout=60)
+        assert group.sync_weights(engines, timeout=60)["tensors"] == len(original) + 1
 
         ray.kill(engines[1])  # asynchronous: the death shows at the start or at the first bucket
         with pytest.raises(WeightSyncError, match=r"^weight sync: engine 1 died during (start_weight_update|"
