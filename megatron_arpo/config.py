@@ -40,6 +40,7 @@ from typing import Any, Literal, Mapping, Optional, Sequence, Union, get_args, g
 
 import yaml
 
+from megatron_arpo.cluster.placement import actor_world_size, total_devices  # noqa: F401  (re-exported)
 from megatron_arpo.errors import InputError
 from megatron_arpo.model_config import ModelConfig, layout_errors, load_model_config
 from megatron_arpo.redaction import REDACTED, is_secret_key, redact  # noqa: F401  (re-exported)
@@ -482,24 +483,6 @@ def _resolve_defaults(cfg: ExperimentConfig) -> ExperimentConfig:
 
 
 _ENV_NAME_RE = re.compile(r"^[A-Z_][A-Z0-9_]*$")
-
-
-def total_devices(cfg: ExperimentConfig) -> int | None:
-    """GPUs in the job, or None on CPU-only nodes (where actor ranks and engines are processes)."""
-    if cfg.launcher.gpus_per_node == 0:
-        return None
-    return cfg.launcher.nodes * cfg.launcher.gpus_per_node
-
-
-def actor_world_size(cfg: ExperimentConfig) -> int | None:
-    """TP x PP x DP of the actor group, or None when DP is derived from an unknown device count."""
-    a = cfg.actor
-    if a.data_parallel is not None:
-        return a.tensor_parallel * a.pipeline_parallel * a.data_parallel
-    pool = cfg.trainer.actor_devices or total_devices(cfg)
-    if pool is None:
-        return a.tensor_parallel * a.pipeline_parallel  # CPU default: DP = 1
-    return pool
 
 
 def validate(cfg: ExperimentConfig) -> list[str]:

@@ -68,6 +68,24 @@ class PlacementPlan:
                 f"{[list(b) for b in self.engine_bundles]}")
 
 
+def total_devices(cfg: Any) -> int | None:
+    """GPUs in the job, or None on CPU-only nodes (where actor ranks and engines are processes)."""
+    if cfg.launcher.gpus_per_node == 0:
+        return None
+    return cfg.launcher.nodes * cfg.launcher.gpus_per_node
+
+
+def actor_world_size(cfg: Any) -> int | None:
+    """TP x PP x DP of the actor group, or None when DP is derived from an unknown device count."""
+    a = cfg.actor
+    if a.data_parallel is not None:
+        return a.tensor_parallel * a.pipeline_parallel * a.data_parallel
+    pool = cfg.trainer.actor_devices or total_devices(cfg)
+    if pool is None:
+        return a.tensor_parallel * a.pipeline_parallel  # CPU default: DP = 1
+    return pool
+
+
 def _bundle(on_gpu: bool, cpus: float) -> dict[str, float]:
     return {"GPU": 1.0, "CPU": float(cpus)} if on_gpu else {"CPU": float(cpus)}
 
@@ -76,8 +94,6 @@ def plan_placement(cfg: Any, *, strategy: str = "PACK", cpus_per_bundle: Optiona
                    colocate_share: float = 0.5) -> PlacementPlan:
     """The bundle plan for ``cfg`` (an ExperimentConfig with resolved TP/PP). Raises ValueError naming the
     config keys when the pools cannot hold the actor ranks or the engines."""
-    from megatron_arpo.config import actor_world_size
-
     if strategy not in STRATEGIES:
         raise ValueError(f"placement strategy {strategy!r} is not one of {STRATEGIES}")
     if not 0 < colocate_share <= 1:
