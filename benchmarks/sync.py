@@ -26,6 +26,7 @@ sampled tokens (``rollout/logprob_abs_diff``: it stays small only if every sync 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -41,6 +42,23 @@ from megatron_arpo.rollout.scripted import ScriptedEngine  # noqa: E402
 
 class BenchWorker(MegatronActorWorker):
     """The real actor worker plus the measurements the benchmark needs inside the rank."""
+
+    def send_weights(self, *args, **kwargs) -> dict:
+        """The real send; under ``--profile DIR`` also a cProfile of it, appended to DIR/rank<N>.txt."""
+        directory = os.environ.get("SYNC_BENCH_PROFILE")
+        if not directory:
+            return super().send_weights(*args, **kwargs)
+        import cProfile
+        import io
+        import pstats
+
+        profile = cProfile.Profile()
+        report = profile.runcall(super().send_weights, *args, **kwargs)
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(25)
+        with open(Path(directory) / f"rank{self.rank}.txt", "a") as fh:
+            fh.write(text.getvalue())
+        return report
 
     def rss_mark(self) -> int:
         """Reset the resident-set high-water mark; the resident set now (bytes)."""
@@ -66,6 +84,10 @@ class CountingEngine(ScriptedEngine):
 
     async def held_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.weights.values())
+
+    async def receive_buffers(self) -> dict:
+        """The receiver's buffer pool: bytes kept between syncs and how buckets were handed out."""
+        return {"bytes": self._receiver.buffers.nbytes, **self._receiver.buffers.stats}
 
 
 def _status_kib(key: str) -> int:
@@ -120,8 +142,9 @@ def bench_tp(model_yaml: str, tp: int, args) -> dict:
 
     from megatron_arpo.actor.group import ActorGroup
 
+    env = {"GLOO_SOCKET_IFNAME": "lo", **({"SYNC_BENCH_PROFILE": args.profile} if args.profile else {})}
     group = ActorGroup(_config(model_yaml, tp, args.bucket_mb), worker_cls=BenchWorker, num_cpus_per_rank=0.5,
-                       env={"GLOO_SOCKET_IFNAME": "lo"})
+                       env=env)
     engine = ray.remote(CountingEngine).options(num_cpus=0).remote(0)
     try:
         group.sync_weights([engine])  # warm-up: forms the transfer group
@@ -133,16 +156,20 @@ def bench_tp(model_yaml: str, tp: int, args) -> dict:
             copies = group.workers.call_all("copy_state_dict")
             rows.append({"sync_s": report["seconds"], "bytes": report["bytes"], "buckets": report["buckets"],
                          "max_bucket": report["max_bucket_bytes"], "driver_bytes": report["driver_bytes"],
+                         "kept": report["send_buffer_bytes"], "fresh": report["send_buffers"]["fresh"]
+                         + report["send_buffers"]["grown"],
                          "driver_weight_bytes": report["driver_weight_bytes"], "peak_extra": peak - before,
                          "copy_s": copies[0]["seconds"], "local_bytes": copies[0]["bytes"]})
         held = ray.get(engine.held_bytes.remote())
+        receive = ray.get(engine.receive_buffers.remote())
     finally:
         ray.kill(engine)
         group.shutdown()
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     sync_per_gb = med["sync_s"] / (med["bytes"] / 1e9)
     copy_per_gb = med["copy_s"] / (med["local_bytes"] / 1e9)
-    return {"tp": tp, **med, "held": held, "sync_s_per_gb": sync_per_gb, "copy_s_per_gb": copy_per_gb,
+    return {"tp": tp, **med, "held": held, "receive": receive,
+            "peak_with_kept": max(r["peak_extra"] + r["kept"] for r in rows) / med["max_bucket"], "sync_s_per_gb": sync_per_gb, "copy_s_per_gb": copy_per_gb,
             "ratio": sync_per_gb / copy_per_gb, "peak_buckets": max(r["peak_extra"] for r in rows) / med["max_bucket"],
             "rows": rows}
 
@@ -189,6 +216,7 @@ def main(argv=None) -> int:
     parser.add_argument("--bucket-mb", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--profile", metavar="DIR", help="cProfile every rank's send into DIR/rank<N>.txt")
     parser.add_argument("--train", action="store_true", help="the 2-step training runs with a TP=1 and a TP=2 engine")
     args = parser.parse_args(argv)
     if args.train:
@@ -218,15 +246,20 @@ def main(argv=None) -> int:
           f"median of {args.repeats}")
     print()
     print("| actor TP | buckets | largest bucket MB | driver bytes/sync (weights) | sender peak extra "
-          "(largest buckets) | sync s/GB | state_dict clone s/GB | ratio |")
-    print("|---|---|---|---|---|---|---|---|")
+          "(largest buckets) | same + buffers kept between syncs | sync s/GB | state_dict clone s/GB | ratio |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         print(f"| {r['tp']} | {r['buckets']:.0f} | {r['max_bucket'] / 2**20:.0f} | {r['driver_bytes']:.0f} "
-              f"({r['driver_weight_bytes']:.0f}) | {r['peak_buckets']:.2f} | {r['sync_s_per_gb']:.3f} | "
-              f"{r['copy_s_per_gb']:.3f} | {r['ratio']:.2f}x |")
+              f"({r['driver_weight_bytes']:.0f}) | {r['peak_buckets']:.2f} | {r['peak_with_kept']:.2f} | "
+              f"{r['sync_s_per_gb']:.3f} | {r['copy_s_per_gb']:.3f} | {r['ratio']:.2f}x |")
         if r["held"] != r["bytes"]:
             print(f"  (!) the engine holds {r['held']} bytes, the sync sent {r['bytes']:.0f}")
     print()
+    for r in results:
+        print(f"TP={r['tp']} buffers kept between syncs: sender {r['kept'] / 2**20:.0f} MB (fresh or grown "
+              f"hand-outs per timed sync: {r['fresh']:.0f}), engine {r['receive']['bytes'] / 2**20:.0f} MB "
+              f"(hand-outs over all syncs: {r['receive']['reused']} reused, {r['receive']['grown']} grown, "
+              f"{r['receive']['fresh']} fresh)")
     for r in results:
         print(f"TP={r['tp']} raw: " + "; ".join(
             f"sync {x['sync_s']:.3f} s, copy {x['copy_s']:.3f} s, peak extra {x['peak_extra'] / 2**20:.0f} MB"

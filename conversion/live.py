@@ -22,22 +22,26 @@ pipeline stages (several chunks per rank) are not supported yet and are rejected
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import os
 from types import MappingProxyType
-from typing import Iterator, Mapping, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 import torch
 
 from conversion import mapping
 from conversion.hf_io import HFCheckpointReader
 from megatron_arpo.model_config import ModelConfig, check_hf_config, read_hf_config
-from megatron_arpo.rollout.weight_sync import pack_in_order
+from megatron_arpo.rollout.weight_sync import BufferPool, pack_in_order
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_BUCKET_BYTES = 256 * 2**20
+# A stage's gathers run this many tensors ahead of the one being copied into the bucket (point-to-point
+# transfers back to back instead of one round trip per tensor); costs this many tensors' pieces in memory.
+GATHERS_IN_FLIGHT = 2
 
 
 def _single_chunk(models) -> torch.nn.Module:
@@ -122,39 +126,46 @@ def load_hf_into_megatron(models, model_cfg: ModelConfig, hf_dir: str | os.PathL
 
 
 def _gather_full(rule: mapping.BoundRule, param: torch.Tensor, tp_group, tp_size: int,
-                 dst: int | None, out: torch.Tensor | None = None) -> torch.Tensor | None:
-    """The full (TP-unsharded) tensor of ``rule`` on the receiving ranks (``dst``, or all when None).
+                 dst: int | None, out: torch.Tensor | None = None, tag: int = 0) -> Callable[[], torch.Tensor | None]:
+    """Start gathering the full (TP-unsharded) tensor of ``rule`` on the receiving ranks (``dst``, or all
+    when None); returns a function that waits for it and returns it (None on the other ranks).
 
     Row-concatenated shards (column, vocab) are gathered straight into the full tensor's row blocks, so
     the only memory is the full tensor; the others (row, gated) gather into pieces and are unsharded.
-    With a ``dst`` the shards travel point to point (`_gather_to`), not by ``gather``. ``out``: where the
-    full tensor goes (column, vocab and gated shards), instead of a new tensor.
+    With a ``dst`` the shards travel point to point (`_gather_to`), not by ``gather``, and the transfer
+    runs until the returned function is called (the caller starts the next tensors' gathers first).
+    ``out``: where the full tensor goes (column, vocab and gated shards), instead of a new tensor.
+    ``tag``: this gather's first point-to-point tag (it uses two), distinct among the gathers in flight.
     """
     receiving = dst is None or torch.distributed.get_rank(tp_group) == dst
     local = param.detach().contiguous()
     if tp_size == 1 or rule.shard is mapping.Shard.REPLICATED:
-        return local if receiving else None  # every TP rank holds it whole: nothing to gather
+        return lambda: local if receiving else None  # every TP rank holds it whole: nothing to gather
     if dst is not None:
-        return _gather_to(rule, local, tp_group, tp_size, dst, receiving, out)
+        return _gather_to(rule, local, tp_group, tp_size, dst, receiving, out, tag)
     if rule.shard in (mapping.Shard.COLUMN, mapping.Shard.VOCAB):
         full = out if out is not None else torch.empty((local.shape[0] * tp_size, *local.shape[1:]),
                                                        dtype=local.dtype, device=local.device)
         torch.distributed.all_gather(list(full.chunk(tp_size, dim=0)), local, group=tp_group)  # in place
-        return full
+        return lambda: full
     pieces = [torch.empty_like(local) for _ in range(tp_size)]
     torch.distributed.all_gather(pieces, local, group=tp_group)
-    return mapping.unshard(rule.shard, pieces)
+    full = mapping.unshard(rule.shard, pieces)
+    return lambda: full
 
 
 def _gather_to(rule: mapping.BoundRule, local: torch.Tensor, tp_group, tp_size: int, dst: int,
-               receiving: bool, out: torch.Tensor | None = None) -> torch.Tensor | None:
-    """The full tensor on TP rank ``dst`` only, its shards sent point to point.
+               receiving: bool, out: torch.Tensor | None = None, tag: int = 0) -> Callable[[], torch.Tensor | None]:
+    """Start moving the shards to TP rank ``dst``, point to point; returns the wait (the full tensor on ``dst``).
 
     Gloo's ``gather`` moves 0.14-0.55 GB/s between two local processes where ``send``/``recv`` move
     1.6 GB/s (measured on the 2-core box, 64 MB tensors), and it needs the pieces apart from the full
     tensor. Here each shard lands in its final place: row blocks of the full tensor for column and vocab
     shards, and for gated (``[gate_i; up_i]``) shards the two halves land in the gate and the up blocks,
     so no concatenation follows; row shards (split along dim 1) are received apart and concatenated.
+    Waiting is left to the caller so that the next tensors' transfers are posted before this one is
+    waited for: one transfer per tensor, each waited for before the next is posted, left the link idle
+    between them (a 4 MB send/recv moves 1 GB/s here, a 128 MB one 3.5 GB/s).
     """
     me = torch.distributed.get_rank(tp_group)
     halves = rule.shard is mapping.Shard.GATED
@@ -171,16 +182,21 @@ def _gather_to(rule: mapping.BoundRule, local: torch.Tensor, tp_group, tp_size: 
             dests = [[blocks[i], blocks[tp_size + i]] if halves else [blocks[i]] for i in range(tp_size)]
             for dest, part in zip(dests[me], parts):
                 dest.copy_(part)
-        ops = [torch.distributed.P2POp(torch.distributed.irecv, d, group=tp_group, group_peer=i, tag=k)
+        ops = [torch.distributed.P2POp(torch.distributed.irecv, d, group=tp_group, group_peer=i, tag=tag + k)
                for i in range(tp_size) if i != me for k, d in enumerate(dests[i])]
     else:
-        ops = [torch.distributed.P2POp(torch.distributed.isend, p, group=tp_group, group_peer=dst, tag=k)
+        ops = [torch.distributed.P2POp(torch.distributed.isend, p, group=tp_group, group_peer=dst, tag=tag + k)
                for k, p in enumerate(parts)]
-    for work in torch.distributed.batch_isend_irecv(ops):
-        work.wait()
-    if not receiving:
-        return None
-    return full if full is not None else mapping.unshard(rule.shard, pieces)
+    works = torch.distributed.batch_isend_irecv(ops)
+
+    def wait() -> torch.Tensor | None:
+        for work in works:
+            work.wait()
+        if not receiving:
+            return None
+        return full if full is not None else mapping.unshard(rule.shard, pieces)
+
+    return wait
 
 
 def _hf_outputs(rule: mapping.BoundRule, cfg: ModelConfig, dtype: torch.dtype,
@@ -238,17 +254,22 @@ def _packed_views(flat: torch.Tensor, layout: Sequence[tuple[str, tuple[int, ...
 
 def stage_hf_buckets(models, cfg: ModelConfig, bucket_bytes: int, *, tp_group, pp_rank: int, pp_size: int,
                      dst: int | None = None, dtype: torch.dtype | None = None,
-                     aliases: Mapping[str, Sequence[str]] = MappingProxyType({}), buffer: torch.Tensor | None = None
+                     aliases: Mapping[str, Sequence[str]] = MappingProxyType({}), buffer: torch.Tensor | None = None,
+                     pool: BufferPool | None = None
                      ) -> Iterator[tuple[torch.Tensor, list[tuple[str, torch.Tensor]]] | None]:
     """This pipeline stage's HF tensors, one packed bucket at a time (collective over the TP group).
 
     Per bucket: each tensor's TP shards are gathered on TP rank ``dst`` of ``tp_group`` (every TP rank when
     None), mapped through the conversion table and copied into one flat ``uint8`` buffer that holds the
-    bucket's HF tensors back to back (``buffer[:n]`` when a reusable ``buffer`` is given); the gathered
+    bucket's HF tensors back to back: ``buffer[:n]`` when one reusable ``buffer`` is given (the IPC
+    buffer), a buffer of ``pool`` when given (reused once the consumer dropped the bucket: a sender
+    packs bucket k+1 into one buffer while k travels from the other), a new one otherwise. The gathered
     tensor is dropped before the next. Yields ``(flat, [(hf_name, view of flat)])`` on the receiving
     ranks and ``None`` on the others (they only contributed shards). ``aliases`` names extra copies of a
-    tensor (e.g. ``{"model.embed_tokens.weight": ["lm_head.weight"]}``). Memory on a receiving rank: the
-    bucket plus the largest tensor twice (its gathered pieces and the full tensor while unsharding).
+    tensor (e.g. ``{"model.embed_tokens.weight": ["lm_head.weight"]}``). The gathers of the next
+    ``GATHERS_IN_FLIGHT`` tensors are posted before a tensor is waited for and copied. Memory on a
+    receiving rank: the bucket plus the pieces of the tensors in flight (row shards and fused q/k/v, which
+    cannot be gathered in place) and one full tensor while unsharding.
     """
     tp_size = torch.distributed.get_world_size(tp_group)
     receiving = dst is None or torch.distributed.get_rank(tp_group) == dst
@@ -260,20 +281,33 @@ def stage_hf_buckets(models, cfg: ModelConfig, bucket_bytes: int, *, tp_group, p
     device = params[rules[0].megatron].device
     for bucket in plan_stage_buckets(rules, cfg, dtype, bucket_bytes, aliases):
         layout, nbytes = _bucket_layout(bucket, cfg, dtype, aliases)
-        named = flat = None
+        named = flat = views = out = wait = None  # this generator's references to the previous bucket (pool reuse)
         if receiving:
             if buffer is not None and buffer.numel() < nbytes:
                 raise ValueError(f"the send buffer holds {buffer.numel()} bytes, a bucket needs {nbytes}")
-            flat = buffer[:nbytes] if buffer is not None else torch.empty(nbytes, dtype=torch.uint8, device=device)
+            if buffer is not None:
+                flat = buffer[:nbytes]
+            elif pool is not None:
+                flat = pool.take(nbytes, device)
+            else:
+                flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
             named = _packed_views(flat, layout, dtype)
         views = dict(named or ())
-        for rule in bucket:
-            param = params[rule.megatron]
-            out = _in_bucket(rule, views, param, cfg, tp_size) if receiving else None
-            full = _gather_full(rule, param, tp_group, tp_size, dst, out)
+        in_flight: collections.deque = collections.deque()  # (rule, wait) of the gathers posted, in order
+        for index, rule in enumerate(bucket + [None] * GATHERS_IN_FLIGHT):
+            if rule is not None:
+                param = params[rule.megatron]
+                out = _in_bucket(rule, views, param, cfg, tp_size) if receiving else None
+                in_flight.append((rule, _gather_full(rule, param, tp_group, tp_size, dst, out, tag=2 * index)))
+            if len(in_flight) <= GATHERS_IN_FLIGHT and rule is not None:
+                continue
+            if not in_flight:
+                break
+            done, wait = in_flight.popleft()
+            full = wait()
             if full is None:
                 continue
-            for name, tensor in rule.to_hf(full, cfg).items():
+            for name, tensor in done.to_hf(full, cfg).items():
                 for target in (name, *aliases.get(name, ())):
                     if views[target].data_ptr() != tensor.data_ptr():  # gathered in place: already there
                         views[target].copy_(tensor)

@@ -11,7 +11,12 @@
 3. ``send(sync_id, ...)`` (every sync). ``gloo``/``nccl``: stage after stage (the engines take one sender
    at a time; two stages sending to the same engines at once could deadlock their broadcasts), the stage's
    TP ranks gather each bucket's shards on the sender (``conversion.live.stage_hf_buckets``: mapped through
-   the conversion tables into one packed buffer), which sends it and frees it. Other data-parallel
+   the conversion tables into one packed buffer), which sends it. The sender packs into two buffers
+   (`BufferPool`: bucket k travels from one while k+1 is packed into the other; a bucket larger than
+   the free buffer waits for the other one instead of growing it, so the two hold the largest bucket
+   and the second largest) that it keeps across syncs, as verl and slime keep their bucket buffers: on
+   the host, packing into fresh memory costs a page fault per page, several times the copy itself.
+   `close()` frees them. Other data-parallel
    replicas have nothing to do. ``ipc``: every rank of every replica materialises every bucket in its
    GPU's IPC buffer (TP gather, then the owning stage broadcasts the packed bucket to the other stages,
    ``conversion.live.export_hf_buckets``), and global rank 0 ships the handles.
@@ -29,7 +34,12 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_arpo.rollout.weight_sync import BufferPool
+
 logger = logging.getLogger(__name__)
+
+# Bucket buffers per stage sender: bucket k travels from one while k+1 is packed into the other.
+SEND_BUFFERS = 2
 
 TIED_HEAD_ALIASES = {"model.embed_tokens.weight": ("lm_head.weight",)}
 
@@ -42,6 +52,7 @@ class ActorSync:
         self.transport: Optional[str] = None
         self.sender = None
         self._endpoint = None
+        self.pool = None  # the stage sender's bucket buffers, kept across syncs (see `_stream_stage`)
 
     @property
     def aliases(self) -> dict:
@@ -118,21 +129,27 @@ class ActorSync:
         failure: Optional[BaseException] = None
         if self.sender is not None:
             self.sender.begin(sync_id)
+            if self.pool is None:
+                self.pool = BufferPool(SEND_BUFFERS)
+            self.pool.wait = self.sender.settle
+            handed_out = dict(self.pool.stats)
         for bucket in stage_hf_buckets(w.model, w.model_cfg, bucket_bytes,
                                        tp_group=parallel_state.get_tensor_model_parallel_group(),
-                                       pp_rank=w.pp_rank, pp_size=w.pp, dst=0, aliases=self.aliases):
+                                       pp_rank=w.pp_rank, pp_size=w.pp, dst=0, aliases=self.aliases, pool=self.pool):
             if bucket is not None and failure is None:
                 try:
                     self.sender.send(*bucket, verify_fraction=verify_fraction)
                 except Exception as exc:
                     failure = exc
+                    self.pool.wait = None  # nothing to wait for any more: the stage only finishes its gathers
                     logger.warning("weight sync %d: stage %d stops sending (%s); its ranks finish the stage's "
                                    "gathers", sync_id, w.pp_rank, str(exc).splitlines()[0])
-            del bucket  # sent: the packed bytes are free before the next bucket is gathered
+            del bucket  # handed over: its buffer is free again once the sender let go of it
         report: dict = {}
         if self.sender is not None and failure is None:
             try:
-                report = self.sender.end()
+                report = {**self.sender.end(), "send_buffer_bytes": self.pool.nbytes, **{
+                    f"send_buffers_{k}": v - handed_out[k] for k, v in self.pool.stats.items()}}  # this sync's
             except Exception as exc:
                 failure = exc
         return failure, report
@@ -153,6 +170,9 @@ class ActorSync:
         return report
 
     def close(self) -> None:
+        if self.pool is not None:
+            self.pool.clear()
+            self.pool = None
         if self.sender is not None:
             self.sender.close()
             self.sender = None

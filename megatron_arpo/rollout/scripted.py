@@ -235,8 +235,15 @@ class ScriptedEngine:
 
     # ------------------------------------------------------------------ weights and caches
     def _store(self, name: str, tensor: Any) -> None:
-        """Where a received tensor lands (tests override it to model a broken load)."""
-        self.weights[name] = tensor.detach().clone()
+        """Where a received tensor lands (tests override it to model a broken load).
+
+        As a real model's parameters: the first sync allocates each tensor, later syncs copy into it in
+        place (the received tensor is a view of the receiver's reused buffer, never kept)."""
+        held = self.weights.get(name)
+        if held is not None and held.shape == tensor.shape and held.dtype == tensor.dtype:
+            held.copy_(tensor)
+        else:
+            self.weights[name] = tensor.detach().clone()
 
     async def _off_loop(self, fn, *args):
         # The receiver blocks in its gloo broadcast until the sender sends: keep the event loop free.

@@ -18,7 +18,8 @@ drives it through the worker's four phases:
 Three engines, one per transport:
 
 - `GlooWeightTransferEngine` (ours, CPU): the bucket arrives packed in one gloo broadcast on a stateless
-  group (vLLM's ``stateless_init_torch_distributed_process_group``) and is loaded from views of it.
+  group (vLLM's ``stateless_init_torch_distributed_process_group``) into a reused receive buffer
+  (`BufferPool`: one the load no longer holds views of) and is loaded from views of it.
 - `StagedNCCLWeightTransferEngine`: vLLM's ``NCCLWeightTransferEngine`` — its rendezvous
   (``worker_init_process_group``), packed broadcast consumer and layerwise reload — with one NCCL
   group per pipeline stage instead of one; a bucket is received on its stage's group.
@@ -26,7 +27,8 @@ Three engines, one per transport:
   per actor GPU, rebuilt on this worker's GPU by its UUID, cloned, loaded).
 
 The NCCL and IPC subclasses only add the stage groups and the verify checks around vLLM's own receive;
-neither can run on a CPU machine. Nothing here is cached across syncs except the groups.
+neither can run on a CPU machine. Nothing here is cached across syncs except the groups and the gloo
+engine's receive buffers (up to two of the largest bucket's size, freed at shutdown).
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightT
 from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine, IPCWeightTransferUpdateInfo
 from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine, NCCLWeightTransferUpdateInfo
 
-from megatron_arpo.rollout.weight_sync import BucketLayout, WeightSyncError, compare_checksums, tensor_checksum
+from megatron_arpo.rollout.weight_sync import (BucketLayout, BufferPool, WeightSyncError, compare_checksums,
+                                               tensor_checksum)
 
 logger = logging.getLogger(__name__)
 
@@ -179,6 +182,9 @@ class GlooUpdateInfo(_UpdateExtras, WeightTransferUpdateInfo):
                              f"{len(self.shapes)} shapes; one of each per tensor")
 
 
+RECEIVE_BUFFERS = 2  # one for the bucket being received, one still held by a layer the reload buffers
+
+
 class GlooWeightTransferEngine(_LoadChecks, WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
     """CPU transport: vLLM's NCCL engine structure over gloo (see the module docstring)."""
 
@@ -188,6 +194,9 @@ class GlooWeightTransferEngine(_LoadChecks, WeightTransferEngine[GlooInitInfo, G
     def __init__(self, config: Any, vllm_config: Any, device: Any, model: Any) -> None:
         super().__init__(config, vllm_config, device, model)
         self._groups: list = []
+        # Receive buffers kept across buckets and syncs (page faults on fresh host memory cost more than
+        # the transfer); a buffer a load still holds views of is not reused (BufferPool).
+        self.buffers = BufferPool(RECEIVE_BUFFERS, device=torch.device("cpu"))
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
         from vllm.distributed.utils import stateless_init_torch_distributed_process_group
@@ -223,14 +232,16 @@ class GlooWeightTransferEngine(_LoadChecks, WeightTransferEngine[GlooInitInfo, G
                              f"joined {len(self._groups)} stage group(s)")
         layout = BucketLayout(tuple(update_info.names), tuple(tuple(s) for s in update_info.shapes),
                               tuple(update_info.dtype_names))
-        flat = torch.empty(layout.nbytes, dtype=torch.uint8)
+        flat = self.buffers.take(layout.nbytes)
         self._groups[update_info.stage].broadcast(flat, 0).wait()
         self._checked_load(self.model, update_info, layout.views(flat))
+        # Returning drops this call's views of the buffer; what the load kept keeps the buffer in use.
 
     def shutdown(self) -> None:
         from vllm.distributed.utils import stateless_destroy_torch_distributed_process_group
 
         groups, self._groups = self._groups, []
+        self.buffers.clear()
         for pg in groups:
             with contextlib.suppress(Exception):  # a peer already gone: nothing left to close
                 stateless_destroy_torch_distributed_process_group(pg)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import abc
 import logging
 import socket
+import threading
 import time
 from typing import Any, Optional, Sequence
 
@@ -76,6 +77,7 @@ class StageSender(abc.ABC):
         """Join the transfer group as rank 0 (concurrently with the engines' ``init_weight_transfer_engine``)."""
 
     def begin(self, sync_id: int) -> None:
+        self._failure: Optional[BaseException] = None
         self.sync_id = sync_id
         self.stats = {"tensors": 0, "buckets": 0, "bytes": 0, "max_bucket_bytes": 0, "sampled": []}
         self._start = time.perf_counter()
@@ -83,6 +85,7 @@ class StageSender(abc.ABC):
     def send(self, flat: Any, named: Sequence[tuple[str, Any]], verify_fraction: float = 0.0) -> None:
         """One packed bucket to every engine; returns once its bytes left (the load may still run)."""
         self._collect()  # the previous bucket's answers: an engine that failed stops the sync here
+        self._raise_settled()
         layout = BucketLayout.of(named)
         index = self.stats["buckets"]
         expected = {}
@@ -109,9 +112,23 @@ class StageSender(abc.ABC):
             self._in_flight = []
             wait_engines(futures, self.engines, what, self.timeout_s)
 
+    def settle(self) -> None:
+        """Wait for the bucket in flight (its buffer is free after); a failure is raised by the next
+        `send` or `end` (a bucket packer calls this mid-bucket, where raising would stop its TP gathers)."""
+        try:
+            self._collect()
+        except Exception as exc:
+            self._failure = exc
+
+    def _raise_settled(self) -> None:
+        failure, self._failure = getattr(self, "_failure", None), None
+        if failure is not None:
+            raise failure
+
     def end(self) -> dict:
         """Wait for the last bucket's loads; this stage's report."""
         self._collect()
+        self._raise_settled()
         return {**self.stats, "stage": self.stage, "seconds": time.perf_counter() - self._start}
 
     def close(self) -> None:
@@ -165,17 +182,30 @@ class GlooSender(StageSender):
         work.wait()  # a transport error surfaces here
 
     def close(self) -> None:
-        from vllm.distributed.utils import stateless_destroy_torch_distributed_process_group
-
         if self._pg is not None:
             pg, self._pg = self._pg, None
-            try:
-                stateless_destroy_torch_distributed_process_group(pg)
-            except Exception as exc:  # the engines may be gone already
-                logger.debug("closing the gloo weight group: %s", exc)
+            stuck = bool(self._in_flight) and not self._in_flight[2].is_completed()
+            self._in_flight = []
+            if stuck:
+                # A broadcast to an engine that failed or died never completes, and destroying the group
+                # waits for it until the group's timeout: let that happen off this thread, so that the
+                # next sync (a new group) does not wait for it.
+                threading.Thread(target=_destroy_gloo_group, args=(pg,), daemon=True,
+                                 name="close-stuck-weight-group").start()
+            else:
+                _destroy_gloo_group(pg)
         if self._socket is not None:
             self._socket.close()
             self._socket = None
+
+
+def _destroy_gloo_group(pg: Any) -> None:
+    from vllm.distributed.utils import stateless_destroy_torch_distributed_process_group
+
+    try:
+        stateless_destroy_torch_distributed_process_group(pg)
+    except Exception as exc:  # the engines may be gone already
+        logger.debug("closing the gloo weight group: %s", exc)
 
 
 class NcclSender(StageSender):

@@ -199,6 +199,10 @@ def test_megatron_tp2_on_two_nodes_matches_hf(ray_two_nodes, tmp_path):
                 assert torch.equal(held[name], tensor), name
             assert torch.equal(held["lm_head.weight"], original["model.embed_tokens.weight"])
         assert report["tensors"] == len(original) + 1 and report["buckets"] >= 2  # 1 MB buckets
+        # The stage sender packs into its two kept buffers (bucket k travels while k+1 is packed): two
+        # allocated, then reused or grown (a larger bucket), never a third while one is free.
+        assert report["send_buffers"]["fresh"] == 2 and report["send_buffers"]["reused"] > 0
+        assert report["send_buffer_bytes"] > 0
         assert report["driver_weight_bytes"] == 0 and 0 < report["driver_bytes"] < 64 * 1024
         assert report["verified_after_load"] and set(report["verified_after_load"]) == set(report["sampled"])
 
@@ -209,7 +213,11 @@ def test_megatron_tp2_on_two_nodes_matches_hf(ray_two_nodes, tmp_path):
         with pytest.raises(WeightSyncError, match=r"^weight sync: engine 1 failed during bucket 0 of stage 0 "
                                                   r"\(sync \d+\)"):
             group.sync_weights(failing, timeout=60)
-        assert group.sync_weights(engines, timeout=60)["tensors"] == len(original) + 1
+        again = group.sync_weights(engines, timeout=60)
+        assert again["tensors"] == len(original) + 1 and again["send_buffers"]["fresh"] == 2
+        for held in ray.get([e.held.remote() for e in engines]):  # reused buffers on both sides: still exact
+            for name, tensor in original.items():
+                assert torch.equal(held[name], tensor), name
 
         ray.kill(engines[1])  # asynchronous: the death shows at the start or at the first bucket
         with pytest.raises(WeightSyncError, match=r"^weight sync: engine 1 died during (start_weight_update|"

@@ -221,3 +221,69 @@ def test_an_engine_failing_mid_sync_fails_it_naming_the_engine(loop):
     with pytest.raises(ws.WeightSyncError, match=r"^weight sync: engine 1 failed during bucket 1 of stage 0 "
                                                  r"\(sync \d+\) \(RuntimeError: worker 0 ran out of memory\)$"):
         push_weights([engine(0), engine(1, FailingEngine)], weights(), bucket_bytes=20000, timeout_s=30, loop=loop)
+
+
+# ------------------------------------------------------------------------------- reusable buffers
+def test_buffer_pool_reuses_only_buffers_nothing_else_holds():
+    pool = ws.BufferPool(2)
+    first = pool.take(100)
+    first_ptr = first.data_ptr()
+    del first
+    again = pool.take(80)  # nothing refers to the first buffer any more: handed out again
+    assert again.data_ptr() == first_ptr and again.numel() == 80
+    kept = again[8:16].view(torch.int32)  # a consumer keeps a view past the load (vLLM's layerwise reload)
+    kept.fill_(7)
+    del again
+    other = pool.take(80)
+    assert other.data_ptr() != first_ptr  # the held buffer is not handed out
+    other.fill_(0)
+    assert kept.tolist() == [7, 7]
+    assert pool.stats == {"reused": 1, "grown": 0, "fresh": 2}
+    del kept, other
+    bigger = pool.take(500)  # both free now, neither fits: the smaller one is replaced by a larger one
+    assert bigger.numel() == 500 and pool.stats["grown"] == 1 and pool.nbytes == 600
+    third, fourth = pool.take(10), pool.take(10)  # every buffer held: the oldest leaves the pool
+    assert pool.stats["fresh"] == 3 and len({bigger.data_ptr(), third.data_ptr(), fourth.data_ptr()}) == 3
+    pool.clear()
+    assert pool.nbytes == 0
+
+
+def test_a_full_pool_waits_for_the_buffer_in_flight_rather_than_growing_the_other():
+    in_flight = {}
+    pool = ws.BufferPool(2, wait=in_flight.clear)  # the sender's wait: the bucket in flight is done
+    in_flight["bucket 0"] = pool.take(100)
+    pool.take(50)  # bucket 1, already sent and dropped
+    # Bucket 2 (100 bytes) does not fit the free buffer; the one in flight would: wait for it.
+    assert pool.take(100).numel() == 100 and not in_flight
+    assert pool.stats == {"reused": 1, "grown": 0, "fresh": 2} and pool.nbytes == 150
+    assert ws.BufferPool(2).take(100).numel() == 100  # no wait given: grows or allocates instead
+
+
+class ViewKeepingEngine(ScriptedEngine):
+    """Keeps the received tensors themselves (views of the receive buffer), as a loader that defers its copy."""
+
+    def _store(self, name, tensor):
+        self.weights[name] = tensor
+
+
+def test_a_receive_buffer_a_load_still_holds_is_never_overwritten(loop):
+    # Five buckets through two receive buffers: reusing a buffer the loader still holds would overwrite
+    # the first buckets' tensors with later ones.
+    e = engine(0, ViewKeepingEngine)
+    push_weights([e], weights(), bucket_bytes=20000, loop=loop)
+    for name, tensor in weights():
+        assert torch.equal(e.weights[name], tensor), name
+    assert e._receiver.buffers.stats["reused"] == 0
+
+
+def test_receive_buffers_are_reused_across_buckets_and_syncs_and_loads_copy_in_place(loop):
+    e = engine(0)
+    with LocalSync([e], loop=loop) as sync:
+        sync.push(weights(), bucket_bytes=20000)
+        params = {name: t.data_ptr() for name, t in e.weights.items()}
+        sync.push(weights(1), bucket_bytes=20000)
+    stats = e._receiver.buffers.stats
+    assert stats["fresh"] + stats["grown"] <= 2 and sum(stats.values()) == 6  # 3 buckets per sync, 2 syncs
+    assert {name: t.data_ptr() for name, t in e.weights.items()} == params  # copied into, as model params
+    for name, tensor in weights(1):
+        assert torch.equal(e.weights[name], tensor)
