@@ -510,5 +510,6 @@ def merge_reports(sender_reports: Sequence[Mapping[str, Any]], engine_reports: S
             "max_bucket_bytes": max((r.get("max_bucket_bytes", 0) for r in senders), default=0),
             # what one sending rank keeps between syncs (its bucket buffers), and how they were handed out
             "send_buffer_bytes": max((r.get("send_buffer_bytes", 0) for r in senders), default=0),
-            "send_buffers": {k: sum(r.get(f"send_buffers_{k}", 0) for r in senders) for k in ("reused", "grown", "fresh")},
+            "send_buffers": {k: sum(r.get(f"send_buffers_{k}", 0) for r in senders)
+                             for k in ("reused", "grown", "fresh")},
             "driver_bytes": driver_bytes}
