@@ -11,13 +11,13 @@
 3. ``send(sync_id, ...)`` (every sync). ``gloo``/``nccl``: stage after stage (the engines take one sender
    at a time; two stages sending to the same engines at once could deadlock their broadcasts), the stage's
    TP ranks gather each bucket's shards on the sender (``conversion.live.stage_hf_buckets``: mapped through
-   the conversion tables into one packed buffer), which sends it. The sender packs into two buffers
-   (`BufferPool`: bucket k travels from one while k+1 is packed into the other; a bucket larger than
-   the free buffer waits for the other one instead of growing it, so the two hold the largest bucket
-   and the second largest) that it keeps across syncs, as verl and slime keep their bucket buffers: on
-   the host, packing into fresh memory costs a page fault per page, several times the copy itself.
-   `close()` frees them. Other data-parallel
-   replicas have nothing to do. ``ipc``: every rank of every replica materialises every bucket in its
+   the conversion tables into one packed buffer), which sends it. With gloo (host memory) the sender
+   packs into two buffers (`BufferPool`: bucket k travels from one while k+1 is packed into the other;
+   a much larger bucket waits for the other one instead of growing the free one, so the two hold about
+   the largest bucket and the second largest) that it keeps across syncs, as verl and slime keep their
+   bucket buffers: on the host, packing into fresh memory costs a page fault per page, several times
+   the copy itself. `close()` frees them. (On a GPU the caching allocator reuses freed buckets already.)
+   Other data-parallel replicas have nothing to do. ``ipc``: every rank of every replica materialises every bucket in its
    GPU's IPC buffer (TP gather, then the owning stage broadcasts the packed bucket to the other stages,
    ``conversion.live.export_hf_buckets``), and global rank 0 ships the handles.
 
@@ -127,29 +127,35 @@ class ActorSync:
 
         w = self.worker
         failure: Optional[BaseException] = None
+        pool = None
         if self.sender is not None:
             self.sender.begin(sync_id)
-            if self.pool is None:
-                self.pool = BufferPool(SEND_BUFFERS)
-            self.pool.wait = self.sender.settle
-            handed_out = dict(self.pool.stats)
+            # Host buckets only (gloo): on a GPU the caching allocator already reuses the memory, and a pool
+            # would hold GPU memory through training.
+            if self.transport == "gloo":
+                self.pool = pool = self.pool or BufferPool(SEND_BUFFERS)
+                pool.wait = self.sender.settle
+                handed_out = dict(pool.stats)
         for bucket in stage_hf_buckets(w.model, w.model_cfg, bucket_bytes,
                                        tp_group=parallel_state.get_tensor_model_parallel_group(),
-                                       pp_rank=w.pp_rank, pp_size=w.pp, dst=0, aliases=self.aliases, pool=self.pool):
+                                       pp_rank=w.pp_rank, pp_size=w.pp, dst=0, aliases=self.aliases, pool=pool):
             if bucket is not None and failure is None:
                 try:
                     self.sender.send(*bucket, verify_fraction=verify_fraction)
                 except Exception as exc:
                     failure = exc
-                    self.pool.wait = None  # nothing to wait for any more: the stage only finishes its gathers
+                    if pool is not None:
+                        pool.wait = None  # nothing to wait for any more: the stage only finishes its gathers
                     logger.warning("weight sync %d: stage %d stops sending (%s); its ranks finish the stage's "
                                    "gathers", sync_id, w.pp_rank, str(exc).splitlines()[0])
             del bucket  # handed over: its buffer is free again once the sender let go of it
         report: dict = {}
         if self.sender is not None and failure is None:
             try:
-                report = {**self.sender.end(), "send_buffer_bytes": self.pool.nbytes, **{
-                    f"send_buffers_{k}": v - handed_out[k] for k, v in self.pool.stats.items()}}  # this sync's
+                report = self.sender.end()
+                if pool is not None:  # what the sender keeps between syncs, and this sync's hand-outs
+                    report.update(send_buffer_bytes=pool.nbytes,
+                                  **{f"send_buffers_{k}": v - handed_out[k] for k, v in pool.stats.items()})
             except Exception as exc:
                 failure = exc
         return failure, report
