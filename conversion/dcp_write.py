@@ -1,0 +1,255 @@
+"""Writing a Megatron ``torch_dist`` checkpoint from our mapping tables, without megatron-core.
+
+What ``dist_checkpointing.save`` of a TP=1/PP=1 ``GPTModel`` (local layer spec) writes in megatron-core
+0.16.1, derived here from :func:`conversion.mapping.bind_table` instead of from a model (the test
+``tests/dist/test_conversion_dist_ckpt.py`` compares it, key by key, with what Megatron's
+``sharded_state_dict()`` says):
+
+- keys: the Transformer Engine names for both specs (:func:`conversion.megatron_to_hf.dist_key`);
+  per-layer tensors stacked on a leading layer axis, global shape ``[num_layers, *per-layer shape]``,
+  one chunk per layer at offset ``(layer, 0, ...)``; ``linear_fc1`` is two chunks per layer, gate rows
+  ``[0, ffn)`` and up rows ``[ffn, 2*ffn)`` (the swiglu factory's split, whatever the TP size); the
+  embedding and an untied output layer are one chunk with the vocabulary padded for the target TP (they
+  load with ``allow_shape_mismatch``, so a checkpoint padded for one TP size loads at another); a tied
+  output layer is not saved (the one-stage model shares the embedding);
+- every ``linear_*`` module of a layer has an ``_extra_state`` ShardedObject per layer, key
+  ``<module>._extra_state/shard_<layer>_<num_layers>``, stored as the bytes of ``torch.save([None])``
+  (what Megatron's local linears give); DCP keeps it as ``BytesStorageMetadata``;
+- files: ``__0_0.distcp`` (the byte items, then each tensor chunk as a ``torch.save`` record, which
+  DCP's ``FileSystemReader`` reads back with ``torch.load`` on the byte range), ``.metadata`` (a pickled
+  ``torch.distributed.checkpoint.metadata.Metadata``: ``state_dict_metadata``, ``storage_data`` with
+  one ``_StorageInfo`` per item, ``storage_meta``, ``version``), ``common.pt`` (``torch.save({})``: a
+  model has no common state) and ``metadata.json`` (the ``CheckpointingConfig``: torch_dist v1, torch
+  common v1), written last as ``dist_checkpointing.save`` does.
+
+Only torch and ``torch.distributed.checkpoint.metadata`` are imported (about 2 s less start-up than
+megatron-core plus building a meta model). Chunks are written in layer order, each built from the
+safetensors files, written and dropped before the next (:class:`ChunkResolver`): peak memory is about
+the largest tensor, whatever the number of layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import logging
+import os
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from conversion import mapping
+from conversion.megatron_to_hf import dist_key
+from megatron_arpo.model_config import ModelConfig
+
+if TYPE_CHECKING:
+    import torch
+
+    from conversion.hf_io import HFCheckpointReader
+
+logger = logging.getLogger(__name__)
+
+DATA_FILE = "__0_0.distcp"
+DCP_METADATA = ".metadata"
+COMMON_FILE = "common.pt"
+MEGATRON_METADATA = "metadata.json"
+# megatron.core.dist_checkpointing.core.CheckpointingConfig of a torch_dist save, in its field order.
+CHECKPOINTING_CONFIG = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
+                        "common_backend_version": 1}
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One saved chunk: a region of a global tensor, and the rule that makes it."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    rule: mapping.BoundRule
+
+
+@dataclass
+class SavedTensor:
+    key: str
+    shape: tuple[int, ...]
+    chunks: list[Chunk]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The checkpoint's items, in Megatron's ``sharded_state_dict()`` key order."""
+
+    tensors: dict[str, SavedTensor]
+    objects: tuple[str, ...]  # ShardedObject unique keys (the linears' _extra_state)
+
+
+def with_padding(cfg: ModelConfig, tp: int) -> ModelConfig:
+    """A config whose ``padded_vocab_size(1)`` equals ``cfg.padded_vocab_size(tp)``."""
+    return dataclasses.replace(cfg, make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by * tp)
+
+
+def _extra_state_module(rule: mapping.BoundRule) -> str | None:
+    """``decoder.layers.self_attention.linear_qkv`` for a rule of a layer's ``linear_*`` module."""
+    if rule.layer is None:
+        return None
+    module = dist_key(rule).rsplit(".", 1)[0]
+    return module if module.rsplit(".", 1)[-1].startswith("linear_") else None
+
+
+def plan_layout(cfg: ModelConfig, tp: int) -> Layout:
+    """Keys, global shapes and chunks of the TP=1/PP=1 model whose vocabulary is padded for ``tp``."""
+    padded = with_padding(cfg, tp)
+    layers = cfg.num_hidden_layers
+    tensors: dict[str, SavedTensor] = {}
+    objects: dict[str, None] = {}
+    per_key: dict[str, list[mapping.BoundRule]] = {}
+    for rule in mapping.bind_table(cfg):
+        if mapping.is_shared_output(rule, cfg, 1):
+            continue
+        per_key.setdefault(dist_key(rule), []).append(rule)
+    for key, rules in per_key.items():
+        first = rules[0]
+        shape = first.megatron_shape(padded if isinstance(first.rule, mapping.VocabEmbedding) else cfg, 1)
+        if first.layer is None:
+            tensors[key] = SavedTensor(key, tuple(shape), [Chunk((0,) * len(shape), tuple(shape), first)])
+            continue
+        chunks = []
+        for rule in sorted(rules, key=lambda r: r.layer):
+            if isinstance(rule.rule, mapping.FusedGateUp):  # [gate; up], one chunk each
+                half = shape[0] // 2
+                chunks += [Chunk((rule.layer, row, *([0] * (len(shape) - 1))), (1, half, *shape[1:]), rule)
+                           for row in (0, half)]
+            else:
+                chunks.append(Chunk((rule.layer,) + (0,) * len(shape), (1, *shape), rule))
+        tensors[key] = SavedTensor(key, (layers, *shape), chunks)
+        module = _extra_state_module(first)
+        if module is not None:
+            for layer in range(layers):
+                objects[f"{module}._extra_state/shard_{layer}_{layers}"] = None
+    return Layout(tensors, tuple(objects))
+
+
+class ChunkResolver:
+    """Builds one saved chunk from the HF checkpoint, caching the last full tensor.
+
+    The two halves of ``linear_fc1`` are each exactly one HF tensor (TP=1 ``linear_fc1`` is
+    ``[gate; up]``), so they are read directly; anything else is the rule's TP=1 tensor (the embedding
+    padded for the target TP), narrowed to the chunk.
+    """
+
+    def __init__(self, reader: HFCheckpointReader, cfg: ModelConfig, padded_tp: int, dtype: torch.dtype):
+        self.reader, self.cfg, self.padded_tp, self.dtype = reader, cfg, padded_tp, dtype
+        self._cache: tuple[str, torch.Tensor] | None = None
+
+    def _drop(self) -> None:
+        self._cache = None  # drop the previous tensor before building the next
+        self.reader.release()
+
+    def full(self, rule: mapping.BoundRule) -> torch.Tensor:
+        if self._cache is not None and self._cache[0] == rule.megatron:
+            return self._cache[1]
+        self._drop()
+        if isinstance(rule.rule, mapping.VocabEmbedding):
+            tensor = rule.rule.read_shard(self.reader, with_padding(self.cfg, self.padded_tp), 0, 1)
+        else:
+            tensor = rule.read_shard(self.reader, self.cfg, 0, 1)
+        tensor = tensor.to(self.dtype)
+        self._cache = (rule.megatron, tensor)
+        return tensor
+
+    def chunk(self, chunk: Chunk) -> torch.Tensor:
+        rule, offsets, sizes = chunk.rule, chunk.offsets, chunk.sizes
+        inner_offsets, inner_sizes = (offsets, sizes) if rule.layer is None else (offsets[1:], sizes[1:])
+        if isinstance(rule.rule, mapping.FusedGateUp):
+            self._drop()
+            source = rule.fill(rule.rule.gate if inner_offsets[0] == 0 else rule.rule.up)
+            return self.reader.read(source).to(self.dtype).reshape(sizes)
+        out = self.full(rule)
+        for dim, (start, size) in enumerate(zip(inner_offsets, inner_sizes)):
+            out = out.narrow(dim, start, size)
+        return out.reshape(sizes)
+
+    def close(self) -> None:
+        self._drop()
+
+
+def _torch_save_bytes(obj) -> bytes:
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _owns_storage(tensor: torch.Tensor) -> bool:
+    """torch.save writes a tensor's whole storage: a view must be copied first (as DCP's writer does)."""
+    return (tensor.is_contiguous() and tensor.storage_offset() == 0
+            and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size())
+
+
+def write_torch_dist(reader: HFCheckpointReader, cfg: ModelConfig, out: Path, tp: int,
+                     dtype: torch.dtype) -> Layout:
+    """Write the checkpoint files into ``out`` (an existing, empty directory); fsync'd, metadata.json last."""
+    import pickle
+
+    import torch
+    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta, TensorProperties,
+        TensorStorageMetadata)
+
+    layout = plan_layout(cfg, tp)
+    out = Path(out)
+    _write_file(out / COMMON_FILE, _torch_save_bytes({}))
+    extra_state = _torch_save_bytes([None])
+    storage: dict = {}
+    resolver = ChunkResolver(reader, cfg, tp, dtype)
+    with open(out / DATA_FILE, "wb") as fh:
+        for key in layout.objects:
+            offset = fh.tell()
+            fh.write(extra_state)
+            storage[MetadataIndex(key)] = _StorageInfo(DATA_FILE, offset, len(extra_state))
+        try:
+            for saved, index, chunk in _layer_order(layout):
+                tensor = resolver.chunk(chunk)
+                if tuple(tensor.shape) != chunk.sizes:
+                    raise AssertionError(f"{saved.key}: built {list(tensor.shape)} for chunk {list(chunk.sizes)}")
+                if not _owns_storage(tensor):
+                    tensor = tensor.clone()
+                offset = fh.tell()
+                torch.save(tensor, fh)
+                storage[MetadataIndex(saved.key, torch.Size(chunk.offsets), index)] = _StorageInfo(
+                    DATA_FILE, offset, fh.tell() - offset)
+                del tensor
+        finally:
+            resolver.close()
+        fh.flush()
+        os.fsync(fh.fileno())
+    properties = TensorProperties(dtype=dtype)
+    state_dict_metadata: dict = {}
+    for key, saved in layout.tensors.items():
+        state_dict_metadata[key] = TensorStorageMetadata(
+            properties, torch.Size(saved.shape),
+            [ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.sizes)) for c in saved.chunks])
+    for key in layout.objects:
+        state_dict_metadata[key] = BytesStorageMetadata()
+    metadata = Metadata(state_dict_metadata=state_dict_metadata, planner_data=None, storage_data=storage,
+                        storage_meta=StorageMeta(checkpoint_id=out, save_id=str(uuid.uuid4())), version=CURRENT_DCP_VERSION)
+    _write_file(out / DCP_METADATA, pickle.dumps(metadata))
+    _write_file(out / MEGATRON_METADATA, json.dumps(CHECKPOINTING_CONFIG).encode())
+    return layout
+
+
+def _layer_order(layout: Layout):
+    """(tensor, chunk index, chunk) with the layers outermost: the HF files are read front to back."""
+    items = [(saved, index, chunk) for saved in layout.tensors.values() for index, chunk in enumerate(saved.chunks)]
+    return sorted(items, key=lambda item: -1 if item[2].rule.layer is None and item[0].key.startswith("embedding")
+                  else (item[2].rule.layer if item[2].rule.layer is not None else 1 << 30))
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    with open(path, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
