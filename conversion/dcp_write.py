@@ -34,6 +34,7 @@ import dataclasses
 import io
 import json
 import logging
+import math
 import os
 import uuid
 from dataclasses import dataclass
@@ -41,7 +42,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from conversion import mapping
+from conversion.hf_io import ELEMENT_SIZES
 from conversion.megatron_to_hf import dist_key
+from conversion.torch_record import BLOCK, Segment, write_tensor_record
 from megatron_arpo.model_config import ModelConfig
 
 if TYPE_CHECKING:
@@ -174,6 +177,51 @@ class ChunkResolver:
         self._drop()
 
 
+def copy_segments(reader: HFCheckpointReader, cfg: ModelConfig, chunk: Chunk, dtype: str,
+                  files: dict[Path, int]) -> list[Segment] | None:
+    """The chunk's bytes as ranges of the safetensors files (plus zero rows of vocabulary padding).
+
+    Every table rule is a permutation of row blocks (:meth:`mapping.BoundRule.hf_row_blocks`: which rows
+    of the Megatron tensor each HF tensor's rows become), so when the HF tensors already have the
+    checkpoint's dtype a chunk is those rows read in Megatron order. None when that does not hold (a
+    dtype cast, rows no block covers): the caller builds the tensor instead.
+    """
+    rule = chunk.rule
+    inner_offsets, inner_sizes = (chunk.offsets, chunk.sizes) if rule.layer is None else (chunk.offsets[1:],
+                                                                                            chunk.sizes[1:])
+    if any(inner_offsets[1:]):
+        return None
+    row_bytes = ELEMENT_SIZES[dtype] * math.prod(inner_sizes[1:])
+    first, stop = inner_offsets[0], inner_offsets[0] + inner_sizes[0]
+    blocks = []
+    for name, name_blocks in rule.hf_row_blocks(cfg).items():
+        where = reader.locate(name)
+        if where.dtype != dtype or ELEMENT_SIZES[dtype] * math.prod(where.shape[1:]) != row_bytes:
+            return None
+        blocks += [(start, rows, where, hf_row) for start, rows, hf_row in name_blocks]
+    segments, row = [], first
+    for start, rows, where, hf_row in sorted(blocks, key=lambda b: b[0]):
+        lo, hi = max(start, first), min(start + rows, stop)
+        if lo >= hi:
+            continue
+        if lo != row:
+            return None  # a gap before a block: not a permutation of rows
+        fd = files.get(where.path)
+        if fd is None:
+            fd = files[where.path] = os.open(where.path, os.O_RDONLY)
+        offset = where.offset + (hf_row + lo - start) * row_bytes
+        if segments and segments[-1].fd == fd and segments[-1].offset + segments[-1].nbytes == offset:
+            segments[-1] = Segment(segments[-1].nbytes + (hi - lo) * row_bytes, fd, segments[-1].offset)
+        else:
+            segments.append(Segment((hi - lo) * row_bytes, fd, offset))
+        row = hi
+    if row != stop:
+        if not isinstance(rule.rule, mapping.VocabEmbedding) or row < cfg.vocab_size:
+            return None
+        segments.append(Segment((stop - row) * row_bytes))  # the padding rows, zeros as read_shard makes them
+    return segments
+
+
 def _torch_save_bytes(obj) -> bytes:
     import torch
 
@@ -182,10 +230,10 @@ def _torch_save_bytes(obj) -> bytes:
     return buffer.getvalue()
 
 
-def _owns_storage(tensor: torch.Tensor) -> bool:
-    """torch.save writes a tensor's whole storage: a view must be copied first (as DCP's writer does)."""
-    return (tensor.is_contiguous() and tensor.storage_offset() == 0
-            and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size())
+def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    import torch
+
+    return tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data
 
 
 def write_torch_dist(reader: HFCheckpointReader, cfg: ModelConfig, out: Path, tp: int,
@@ -200,32 +248,45 @@ def write_torch_dist(reader: HFCheckpointReader, cfg: ModelConfig, out: Path, tp
         TensorStorageMetadata)
 
     layout = plan_layout(cfg, tp)
+    dtype_name = str(dtype).removeprefix("torch.")
     out = Path(out)
     _write_file(out / COMMON_FILE, _torch_save_bytes({}))
     extra_state = _torch_save_bytes([None])
     storage: dict = {}
     resolver = ChunkResolver(reader, cfg, tp, dtype)
-    with open(out / DATA_FILE, "wb") as fh:
+    files: dict[Path, int] = {}
+    buffer = bytearray(BLOCK)
+    copied = 0
+    fd = os.open(out / DATA_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
         for key in layout.objects:
-            offset = fh.tell()
-            fh.write(extra_state)
+            offset = os.lseek(fd, 0, os.SEEK_CUR)
+            os.write(fd, extra_state)
             storage[MetadataIndex(key)] = _StorageInfo(DATA_FILE, offset, len(extra_state))
-        try:
-            for saved, index, chunk in _layer_order(layout):
+        for saved, index, chunk in _layer_order(layout):
+            segments = copy_segments(reader, cfg, chunk, dtype_name, files)
+            tensor = None
+            if segments is None:
                 tensor = resolver.chunk(chunk)
                 if tuple(tensor.shape) != chunk.sizes:
                     raise AssertionError(f"{saved.key}: built {list(tensor.shape)} for chunk {list(chunk.sizes)}")
-                if not _owns_storage(tensor):
-                    tensor = tensor.clone()
-                offset = fh.tell()
-                torch.save(tensor, fh)
-                storage[MetadataIndex(saved.key, torch.Size(chunk.offsets), index)] = _StorageInfo(
-                    DATA_FILE, offset, fh.tell() - offset)
-                del tensor
-        finally:
-            resolver.close()
-        fh.flush()
-        os.fsync(fh.fileno())
+                data = _tensor_bytes(tensor)
+                segments = [Segment(len(data), buffer=data)]
+            else:
+                copied += 1
+            offset = os.lseek(fd, 0, os.SEEK_CUR)
+            length = write_tensor_record(fd, dtype_name, chunk.sizes, segments, buffer)
+            storage[MetadataIndex(saved.key, torch.Size(chunk.offsets), index)] = _StorageInfo(DATA_FILE, offset,
+                                                                                              length)
+            del tensor, segments
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+        resolver.close()
+        for source in files.values():
+            os.close(source)
+    logger.info("%d of %d chunks copied as byte ranges of the safetensors files, the rest built as tensors", copied,
+                len(storage) - len(layout.objects))
     properties = TensorProperties(dtype=dtype)
     state_dict_metadata: dict = {}
     for key, saved in layout.tensors.items():
@@ -235,7 +296,8 @@ def write_torch_dist(reader: HFCheckpointReader, cfg: ModelConfig, out: Path, tp
     for key in layout.objects:
         state_dict_metadata[key] = BytesStorageMetadata()
     metadata = Metadata(state_dict_metadata=state_dict_metadata, planner_data=None, storage_data=storage,
-                        storage_meta=StorageMeta(checkpoint_id=out, save_id=str(uuid.uuid4())), version=CURRENT_DCP_VERSION)
+                        storage_meta=StorageMeta(checkpoint_id=out, save_id=str(uuid.uuid4())),
+                        version=CURRENT_DCP_VERSION)
     _write_file(out / DCP_METADATA, pickle.dumps(metadata))
     _write_file(out / MEGATRON_METADATA, json.dumps(CHECKPOINTING_CONFIG).encode())
     return layout

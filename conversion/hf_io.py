@@ -38,6 +38,7 @@ SAFETENSORS_SINGLE = "model.safetensors"
 # dtypes by name (torch's, without "torch."): the writer and the byte-copy path run without importing torch.
 _DTYPE_CODES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64", "int64": "I64",
                 "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
+_DTYPE_NAMES = {code: name for name, code in _DTYPE_CODES.items()}
 ELEMENT_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4, "int16": 2,
                  "int8": 1, "uint8": 1, "bool": 1}
 _FLOAT_NAMES = ("float32", "float16", "bfloat16")
@@ -76,6 +77,7 @@ class HFCheckpointReader:
                 f"Face checkpoint saved with safetensors")
         files = sorted(set(weight_map.values())) if weight_map else [SAFETENSORS_SINGLE]
         self._handles = {}
+        self._headers: dict[str, tuple[int, dict]] = {}  # file -> (data start, safetensors header)
         self._file_of: dict[str, str] = {}
         for fname in files:
             path = self.dir / fname
@@ -87,7 +89,7 @@ class HFCheckpointReader:
             except Exception as exc:  # safetensors raises its own SafetensorError
                 raise ValueError(f"{path}: not a readable safetensors file ({exc}); the file is truncated or "
                                  f"corrupt, re-download or re-export it") from exc
-            _check_complete(path)
+            self._headers[fname] = _check_complete(path)
             self._handles[fname] = handle
             self._paths = getattr(self, "_paths", {})
             self._paths[fname] = path
@@ -116,6 +118,17 @@ class HFCheckpointReader:
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._slice(name).get_shape())
+
+    def locate(self, name: str) -> StoredRange:
+        """Where tensor ``name``'s bytes are (row-major, as safetensors stores every tensor)."""
+        fname = self._file_of.get(name)
+        if fname is None:
+            raise KeyError(f"{self.dir}: no tensor named {name!r}")
+        start, header = self._headers[fname]
+        entry = header[name]
+        begin, end = entry["data_offsets"]
+        return StoredRange(self._paths[fname], start + begin, end - begin, _DTYPE_NAMES.get(entry["dtype"]),
+                           tuple(entry["shape"]))
 
     def dtype(self, name: str) -> str:
         return self._slice(name).get_dtype()
@@ -149,8 +162,20 @@ def _read_weight_map(index: Path) -> dict[str, str]:
     return weight_map
 
 
-def _check_complete(path: Path) -> None:
-    """safe_open maps lazily; compare the header's data extent with the file size to catch truncation."""
+@dataclass(frozen=True)
+class StoredRange:
+    path: Path
+    offset: int
+    nbytes: int
+    dtype: str | None  # torch dtype name; None for a dtype the converters do not handle
+    shape: tuple[int, ...]
+
+
+def _check_complete(path: Path) -> tuple[int, dict]:
+    """safe_open maps lazily; compare the header's data extent with the file size to catch truncation.
+
+    Returns (offset of the data section, the parsed header).
+    """
     try:
         with open(path, "rb") as fh:
             header_len = int.from_bytes(fh.read(8), "little")
@@ -163,6 +188,7 @@ def _check_complete(path: Path) -> None:
     if size < 8 + header_len + end:
         raise ValueError(f"{path}: truncated safetensors file ({size} bytes, header needs {8 + header_len + end}); "
                          f"re-download or re-export it")
+    return 8 + header_len, header
 
 
 @dataclass(frozen=True)
