@@ -16,16 +16,23 @@ What ``dist_checkpointing.save`` of a TP=1/PP=1 ``GPTModel`` (local layer spec) 
   ``<module>._extra_state/shard_<layer>_<num_layers>``, stored as the bytes of ``torch.save([None])``
   (what Megatron's local linears give); DCP keeps it as ``BytesStorageMetadata``;
 - files: ``__0_0.distcp`` (the byte items, then each tensor chunk as a ``torch.save`` record, which
-  DCP's ``FileSystemReader`` reads back with ``torch.load`` on the byte range), ``.metadata`` (a pickled
+  DCP's ``FileSystemReader`` reads back with ``torch.load`` on the byte range; written by
+  :mod:`conversion.torch_record`), ``.metadata`` (a pickled
   ``torch.distributed.checkpoint.metadata.Metadata``: ``state_dict_metadata``, ``storage_data`` with
   one ``_StorageInfo`` per item, ``storage_meta``, ``version``), ``common.pt`` (``torch.save({})``: a
   model has no common state) and ``metadata.json`` (the ``CheckpointingConfig``: torch_dist v1, torch
   common v1), written last as ``dist_checkpointing.save`` does.
 
-Only torch and ``torch.distributed.checkpoint.metadata`` are imported (about 2 s less start-up than
-megatron-core plus building a meta model). Chunks are written in layer order, each built from the
-safetensors files, written and dropped before the next (:class:`ChunkResolver`): peak memory is about
-the largest tensor, whatever the number of layers.
+How a chunk's bytes are made: every rule of the tables is a permutation of row blocks, so when the HF
+tensors already have the checkpoint's dtype a chunk is a list of byte ranges of the safetensors files
+(:func:`copy_segments`; the embedding's padding rows are zeros), streamed through one buffer into the
+record: no tensor is built, what ``cp`` does plus a CRC. Otherwise (``--dtype`` casts) the chunk is built
+as a tensor by the rule (:class:`ChunkResolver`), written and dropped. Chunks go in layer order, so the
+HF files are read front to back. Peak memory: the 8 MB buffer on the copy path, about the largest tensor
+on the cast path; neither grows with the number of layers.
+
+Only torch and ``torch.distributed.checkpoint``'s metadata classes are imported (megatron-core plus
+building a meta model cost several seconds per call, more than converting a small checkpoint).
 """
 
 from __future__ import annotations

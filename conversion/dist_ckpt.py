@@ -1,6 +1,6 @@
 """``hf-to-megatron``: HF safetensors -> Megatron distributed checkpoint (``torch_dist``), streaming.
 
-Layout Megatron uses (inspected from ``GPTModel.sharded_state_dict()`` of megatron-core 0.16.1): keys use
+Layout Megatron uses (``GPTModel.sharded_state_dict()`` of megatron-core 0.16.1; a test compares it): keys use
 the Transformer Engine names for both layer specs (``decoder.layers.self_attention.linear_qkv.layer_norm_weight``
 for the local ``input_layernorm``), per-layer tensors are stacked on a leading layer axis
 (``decoder.layers.mlp.linear_fc1.weight`` has global shape ``[num_layers, 2*ffn, hidden]``; one chunk per
@@ -11,9 +11,10 @@ loads at another. The format is chunk-based with global offsets, which is why on
 TP/PP/DP.
 
 Writing (:func:`convert_hf_to_megatron`) is :func:`conversion.dcp_write.write_torch_dist`: the keys,
-shapes and chunks come from our mapping tables, each chunk is built from the safetensors files, written
-as a ``torch.save`` record and dropped (peak memory: about the largest tensor, whatever the number of
-layers). No megatron-core import and no process group: megatron-core alone costs several seconds per call.
+shapes and chunks come from our mapping tables; each chunk is copied as byte ranges of the safetensors
+files into a ``torch.save`` record (or, when ``--dtype`` casts, built as a tensor, written and dropped).
+Peak memory does not grow with the number of layers. No megatron-core import and no process group:
+megatron-core alone costs several seconds per call.
 
 Reading is :mod:`conversion.megatron_to_hf` (no Megatron import there; its names are re-exported here).
 

@@ -7,8 +7,6 @@
   ``perform_initialization=False`` (nothing to initialise on meta). It mirrors
   ``megatron_arpo.actor.model_builder.build_gpt_model`` but takes the embedding row count explicitly, so
   a TP=1 model can carry the padding a TP=T run would use.
-- :func:`single_process_group` gives the converter CLI a one-rank gloo group (Megatron's
-  dist_checkpointing needs ``torch.distributed``) and tears it down afterwards.
 - :func:`fake_rank` puts one process in the shoes of rank ``r`` of a ``tp * pp`` world with torch's
   fake process group (collectives are no-ops), so ``plan`` walks all 32 ranks of a TP=8/PP=4 layout in
   one process, building each rank's real Megatron modules on meta.
@@ -18,8 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import tempfile
 from typing import Iterator
 
 import torch
@@ -68,37 +64,6 @@ def build_meta_gpt_model(cfg: ModelConfig, tp: int, pp: int, padded_vocab: int |
             position_embedding_type="rope",
             rotary_base=int(cfg.rope_theta),
         )
-
-
-@contextlib.contextmanager
-def single_process_group() -> Iterator[None]:
-    """A one-rank gloo group plus Megatron TP=1/PP=1 state, unless the caller already has a group."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    from megatron_arpo.actor.cpu_compat import apply_cpu_compat
-
-    apply_cpu_compat()
-    created = not dist.is_initialized()
-    store_dir = None
-    if created:
-        store_dir = tempfile.mkdtemp(prefix="conversion-store-")
-        store = dist.FileStore(os.path.join(store_dir, "store"), 1)
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    own_mp = not parallel_state.model_parallel_is_initialized()
-    if own_mp:
-        parallel_state.initialize_model_parallel(1, 1)
-    try:
-        yield
-    finally:
-        if own_mp:
-            parallel_state.destroy_model_parallel()
-        if created:
-            dist.destroy_process_group()
-            with contextlib.suppress(OSError):
-                for name in os.listdir(store_dir):
-                    os.unlink(os.path.join(store_dir, name))
-                os.rmdir(store_dir)
 
 
 @contextlib.contextmanager

@@ -38,7 +38,8 @@ STORAGE_CLASSES = {"float32": "FloatStorage", "float16": "HalfStorage", "bfloat1
                    "float64": "DoubleStorage", "int64": "LongStorage", "int32": "IntStorage", "int16": "ShortStorage",
                    "int8": "CharStorage", "uint8": "ByteStorage", "bool": "BoolStorage"}
 _FLAGS = 0x0808  # bit 3: sizes and CRC in a data descriptor; bit 11: UTF-8 names
-_U32 = 0xFFFFFFFF
+ZIP64_LIMIT = 0xFFFFFFFF  # sizes / offsets from here on go in zip64 fields (a test lowers it)
+_MARKER = 0xFFFFFFFF  # "see the zip64 extra field"
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,7 @@ class _Archive:
     def end(self) -> None:
         _, _, crc, size = self.entries[-1]
         # The readers take sizes and CRC from the central directory; the descriptor is zip64-sized when needed.
-        self._write(struct.pack("<IIQQ" if size >= _U32 else "<IIII", 0x08074B50, crc, size, size))
+        self._write(struct.pack("<IIQQ" if size >= ZIP64_LIMIT else "<IIII", 0x08074B50, crc, size, size))
 
     def entry(self, name: str, data: bytes) -> None:
         self.begin(name)
@@ -117,16 +118,16 @@ class _Archive:
         """Central directory and end records; returns the record's length."""
         cd_start = self.pos
         for name, offset, crc, size in self.entries:
-            zip64 = [v for v in (size, size, offset) if v >= _U32]
-            fields = [min(size, _U32), min(size, _U32), min(offset, _U32)]
+            zip64 = [v for v in (size, size, offset) if v >= ZIP64_LIMIT]
+            fields = [_MARKER if v >= ZIP64_LIMIT else v for v in (size, size, offset)]
             extra = struct.pack("<HH", 1, 8 * len(zip64)) + struct.pack(f"<{len(zip64)}Q", *zip64) if zip64 else b""
             self._write(struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 45, 45, _FLAGS, 0, 0, 0, crc, fields[0],
                                     fields[1], len(name), len(extra), 0, 0, 0, 0, fields[2]) + name + extra)
         cd_size, count, eocd64 = self.pos - cd_start, len(self.entries), self.pos
         self._write(struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, count, count, cd_size, cd_start))
         self._write(struct.pack("<IIQI", 0x07064B50, 0, eocd64, 1))
-        self._write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, count, count, min(cd_size, _U32),
-                                min(cd_start, _U32), 0))
+        self._write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, count, count,
+                                *(_MARKER if v >= ZIP64_LIMIT else v for v in (cd_size, cd_start)), 0))
         return self.pos
 
 
