@@ -63,7 +63,7 @@ def convert_hf_to_megatron(hf_dir: str | os.PathLike, out: str | os.PathLike, tp
     from conversion.config_json import store_original_config
     from conversion.live import validate_hf_checkpoint
     from conversion.outdir import atomic_output_dir, check_distinct_paths, check_output_dir, write_marker
-    from megatron_arpo.model_config import layout_errors, model_config_from_hf
+    from megatron_arpo.model_config import model_config_from_hf
 
     check_distinct_paths(out, {"--hf": hf_dir})
     check_output_dir(out, overwrite)
@@ -73,9 +73,7 @@ def convert_hf_to_megatron(hf_dir: str | os.PathLike, out: str | os.PathLike, tp
     mapping.get_table(model_cfg.model_type)
     reader = HFCheckpointReader(hf_dir)
     validate_hf_checkpoint(reader, model_cfg)
-    errors = layout_errors(model_cfg, tp, pp, section="hf-to-megatron")
-    if errors:
-        raise ValueError("; ".join(errors) + " (set with --tp / --pp)")
+    mapping.check_layout(model_cfg, tp, pp, "hf-to-megatron")
     with atomic_output_dir(out, overwrite) as tmp:
         write_megatron_checkpoint(reader, model_cfg, tmp, tp, dtype)
         with open(tmp / "model_config.yaml", "w") as fh:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Callable, Iterable, Mapping
 
-from megatron_arpo.model_config import ModelConfig
+from megatron_arpo.model_config import ModelConfig, layout_errors
 from megatron_arpo.models.registry import get_family
 from megatron_arpo.models.rules import (  # noqa: F401  (re-exported: the converters' vocabulary)
     LAYER,
@@ -110,6 +110,13 @@ def bind_table(cfg: ModelConfig) -> list[BoundRule]:
                 sources = outputs = tuple(fill(s) for s in rule.sources)
             bound.append(BoundRule(rule, layer, fill(rule.megatron), sources, outputs))
     return bound
+
+
+def check_layout(cfg: ModelConfig, tp: int, pp: int, command: str) -> None:
+    """Refuse a ``--tp``/``--pp`` the model cannot take, naming the values it can (no Megatron import)."""
+    errors = layout_errors(cfg, tp, pp, section=command)
+    if errors:
+        raise ValueError("; ".join(errors) + " (set with --tp / --pp)")
 
 
 def stage_layers(cfg: ModelConfig, pp_rank: int, pp_size: int) -> range:

@@ -53,9 +53,8 @@ def plan_rank(cfg: ModelConfig, tp: int, pp: int, rank: int) -> dict:
 def run_plan(cfg: ModelConfig, tp: int, pp: int, emit: Callable[[str], None]) -> bool:
     """Check every rank's shapes; the report lines go to ``emit`` (the CLI passes ``print``)."""
     from conversion.hf_io import torch_dtype
-    from megatron_arpo.actor.model_builder import build_transformer_config
 
-    build_transformer_config(cfg, tensor_parallel=tp, pipeline_parallel=pp, use_te=False)  # divisibility
+    mapping.check_layout(cfg, tp, pp, "plan")
     element = torch.empty((), dtype=torch_dtype(cfg.torch_dtype)).element_size()
     rows = [plan_rank(cfg, tp, pp, rank) for rank in range(tp * pp)]
     emit(f"{cfg.name}: TP={tp} PP={pp}, {cfg.num_hidden_layers} layers, padded vocab "
