@@ -15,7 +15,8 @@ here, entry for entry as ``torch.save`` lays it out (torch 2.x, checked by ``tes
 
 The data arrive as :class:`Segment` s: byte ranges of files (read into one reusable buffer, checksummed,
 written), zero fill (vocabulary padding) or in-memory buffers (tensors the tables had to compute).
-Memory: the buffer (:data:`BLOCK` bytes), whatever the tensor size.
+Memory: the buffer (:data:`BLOCK` bytes), whatever the tensor size; every step is a read, a CRC and a
+write of one cache-sized block.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ from typing import Iterable
 
 from conversion.hf_io import ELEMENT_SIZES
 
-BLOCK = 8 << 20
+# Bytes per read-checksum-write step: small enough that the CRC and the write find the block still in the
+# CPU cache (256 KB ran 2x faster than 8 MB here: 0.5 vs 1.1 s for a 1.5 GB file, page cache to page cache).
+BLOCK = 256 << 10
 ALIGN = 64
 PREFIX = "archive/"
 STORAGE_CLASSES = {"float32": "FloatStorage", "float16": "HalfStorage", "bfloat16": "BFloat16Storage",
@@ -145,16 +148,21 @@ def write_tensor_record(fd: int, dtype: str, shape: tuple[int, ...], segments: I
     archive.begin("data/0")
     buffer = buffer if buffer is not None else bytearray(BLOCK)
     view = memoryview(buffer)
+    zeros = 0  # how many leading bytes of the buffer are known to be zero
     for segment in segments:
-        if segment.buffer is not None:
-            archive.data(segment.buffer)
-            continue
         done = 0
         while done < segment.nbytes:
             n = min(len(view), segment.nbytes - done)
+            if segment.buffer is not None:
+                archive.data(segment.buffer[done:done + n])
+                done += n
+                continue
             if segment.fd is None:
-                view[:n] = bytes(n)
+                if zeros < n:
+                    view[:n] = bytes(n)
+                    zeros = n
             else:
+                zeros = 0
                 got = os.preadv(segment.fd, [view[:n]], segment.offset + done)
                 if got != n:
                     raise OSError(f"short read at offset {segment.offset + done} (got {got} of {n} bytes); "
