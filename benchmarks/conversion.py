@@ -11,12 +11,16 @@ run ``--repeats`` times (default 2), each run with its own ``cp`` next to it. Pe
   memory-mapped inputs are page cache the kernel can drop) against the largest single tensor,
 - that the round trip is bit-exact (every tensor compared).
 
+``--cold`` syncs and drops the page cache before every timed command, ``cp`` included, so that each reads
+its input from disk and none pays for an earlier command's writeback; without it, ``cp`` reads safetensors
+files just written (in the page cache) while the conversions' inputs may or may not still be cached.
+
 ``--width reduced`` (hidden 1024, FFN 3072, 8/2 heads of 128, same vocabulary) with ``--layers 2 16 64``
 checks that peak memory does not grow with the layer count.
 
 Disk: about 3x the checkpoint size at a time (source, Megatron, HF output; deleted after each size);
 8 layers is ~11 GB of bf16. Usage:
-``python benchmarks/conversion.py [--layers 2 4 8] [--width qwq|reduced] [--repeats 2] [--workdir DIR]``.
+``python benchmarks/conversion.py [--layers 2 4 8] [--width qwq|reduced] [--repeats 2] [--workdir DIR] [--cold]``.
 """
 
 from __future__ import annotations
@@ -69,6 +73,7 @@ def build_synthetic(layers: int, out: Path, width: dict = QWQ_WIDTH):
 
 def _peak_child(cmd: list[str]) -> tuple[float, int, int]:
     """Run cmd; return (seconds, peak VmHWM bytes, peak sampled RssAnon bytes)."""
+    settle_page_cache()
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     peak = {"anon": 0, "hwm": 0}
@@ -97,7 +102,21 @@ def _peak_child(cmd: list[str]) -> tuple[float, int, int]:
     return seconds, peak["hwm"], peak["anon"]
 
 
+COLD = False  # --cold: every timed command starts with its input on disk and no dirty pages pending
+
+
+def settle_page_cache() -> None:
+    """With ``--cold``: write back every dirty page and drop the page cache (root only), so that each timed
+    command reads its input from disk and pays for no earlier command's writeback."""
+    if not COLD:
+        return
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as fh:
+        fh.write("3\n")
+
+
 def timed_cp(src: Path, dst: Path) -> float:
+    settle_page_cache()
     start = time.perf_counter()
     subprocess.run(["cp", "-r", str(src), str(dst)], check=True)
     for path in dst.iterdir():
@@ -144,7 +163,14 @@ def main() -> None:
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--pp", type=int, default=2)
+    parser.add_argument("--cold", action="store_true",
+                        help="sync and drop the page cache before every timed command (cp included): each one "
+                             "reads its input from disk and pays for no earlier command's writeback (needs root)")
     args = parser.parse_args()
+    global COLD
+    COLD = args.cold
+    if COLD and not os.access("/proc/sys/vm/drop_caches", os.W_OK):
+        parser.error("--cold drops the page cache through /proc/sys/vm/drop_caches: run it as root")
 
     rows = []
     base = Path(tempfile.mkdtemp(prefix="conversion-bench-", dir=args.workdir))
@@ -157,7 +183,8 @@ def main() -> None:
                 print(json.dumps(row), flush=True)
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    print(f"\n{args.width} width, bf16, TP={args.tp} PP={args.pp}; RSS = peak VmHWM / peak RssAnon (GB)")
+    cache = ", cold page cache (--cold)" if COLD else ""
+    print(f"\n{args.width} width, bf16, TP={args.tp} PP={args.pp}{cache}; RSS = peak VmHWM / peak RssAnon (GB)")
     print("| layers | run | ckpt GB | largest tensor GB | cp MB/s | HF->Megatron MB/s (x cp) | RSS | "
           "Megatron->HF MB/s (x cp) | cp of the Megatron files MB/s (Megatron->HF x it) | RSS | bit-exact |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
