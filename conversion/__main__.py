@@ -17,7 +17,7 @@ import sys
 import threading
 
 from conversion.config_json import FieldChange
-from conversion.hf_io import parse_size, torch_dtype
+from conversion.hf_io import parse_size
 
 
 def _model_cfg(path):
@@ -31,9 +31,8 @@ def _model_cfg(path):
 def cmd_hf_to_megatron(args) -> int:
     from conversion.dist_ckpt import convert_hf_to_megatron
 
-    dtype = torch_dtype(args.dtype) if args.dtype else None
     out = convert_hf_to_megatron(args.hf, args.out, tp=args.tp, pp=args.pp, model_cfg=_model_cfg(args.model_config),
-                                 overwrite=args.overwrite, dtype=dtype)
+                                 overwrite=args.overwrite, dtype=args.dtype)  # a name: torch only if it casts
     print(f"wrote Megatron distributed checkpoint {out} (vocab padded for tp={args.tp}; loads at any TP/PP)")
     return 0
 

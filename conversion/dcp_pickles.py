@@ -22,11 +22,11 @@ import os
 import pickle
 from dataclasses import dataclass
 
-# torch dtype names a checkpoint can hold, and the legacy storage class torch.save names for each.
-DTYPE_NAMES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
-STORAGE_DTYPES = {"FloatStorage": "float32", "HalfStorage": "float16", "BFloat16Storage": "bfloat16",
-                  "DoubleStorage": "float64", "LongStorage": "int64", "IntStorage": "int32", "ShortStorage": "int16",
-                  "CharStorage": "int8", "ByteStorage": "uint8", "BoolStorage": "bool"}
+from conversion.torch_pickle import STORAGE_CLASSES
+
+# torch dtype names a checkpoint can hold, and the dtype of each legacy storage class torch.save names.
+DTYPE_NAMES = tuple(STORAGE_CLASSES)
+STORAGE_DTYPES = {storage: dtype for dtype, storage in STORAGE_CLASSES.items()}
 
 
 class UnknownTorchName(pickle.UnpicklingError):

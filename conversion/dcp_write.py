@@ -28,17 +28,19 @@ tensors already have the checkpoint's dtype a chunk is a list of byte ranges of 
 (:func:`copy_segments`; the embedding's padding rows are zeros), streamed through one buffer into the
 record: no tensor is built, what ``cp`` does plus a CRC. Otherwise (``--dtype`` casts) the chunk is built
 as a tensor by the rule (:class:`ChunkResolver`), written and dropped. Chunks go in layer order, so the
-HF files are read front to back. Peak memory: the 8 MB buffer on the copy path, about the largest tensor
+HF files are read front to back. Peak memory: the 256 KB buffer on the copy path, about the largest tensor
 on the cast path; neither grows with the number of layers.
 
-Only torch and ``torch.distributed.checkpoint``'s metadata classes are imported (megatron-core plus
-building a meta model cost several seconds per call, more than converting a small checkpoint).
+Neither megatron-core nor torch is imported on the copy path (megatron-core plus building a meta model cost
+several seconds per call; ``import torch`` and ``torch.distributed.checkpoint`` 1.3 s, a third of a small
+conversion): the pickles (``.metadata``, each record's ``data.pkl``, ``common.pt``, the ``_extra_state``
+bytes) are written by :mod:`conversion.torch_pickle` with stand-ins carrying torch's names. Torch is
+imported only to build a chunk as a tensor, which a same-dtype conversion of qwen2/qwen3/llama never does.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 import logging
 import math
@@ -51,7 +53,8 @@ from typing import TYPE_CHECKING
 from conversion import mapping
 from conversion.hf_io import ELEMENT_SIZES
 from conversion.megatron_to_hf import dist_key
-from conversion.torch_record import BLOCK, Segment, write_tensor_record
+from conversion import torch_pickle as tp_pickle
+from conversion.torch_record import BLOCK, Segment, saved_object, write_tensor_record
 from megatron_arpo.model_config import ModelConfig
 
 if TYPE_CHECKING:
@@ -148,9 +151,15 @@ class ChunkResolver:
     padded for the target TP), narrowed to the chunk.
     """
 
-    def __init__(self, reader: HFCheckpointReader, cfg: ModelConfig, padded_tp: int, dtype: torch.dtype):
-        self.reader, self.cfg, self.padded_tp, self.dtype = reader, cfg, padded_tp, dtype
+    def __init__(self, reader: HFCheckpointReader, cfg: ModelConfig, padded_tp: int, dtype_name: str):
+        self.reader, self.cfg, self.padded_tp, self.dtype_name = reader, cfg, padded_tp, dtype_name
         self._cache: tuple[str, torch.Tensor] | None = None
+
+    @property
+    def dtype(self) -> torch.dtype:  # torch only when a chunk is built
+        from conversion.hf_io import torch_dtype
+
+        return torch_dtype(self.dtype_name)
 
     def _drop(self) -> None:
         self._cache = None  # drop the previous tensor before building the next
@@ -229,38 +238,25 @@ def copy_segments(reader: HFCheckpointReader, cfg: ModelConfig, chunk: Chunk, dt
     return segments
 
 
-def _torch_save_bytes(obj) -> bytes:
-    import torch
-
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return buffer.getvalue()
-
-
 def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
     import torch
 
     return tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data
 
 
-def write_torch_dist(reader: HFCheckpointReader, cfg: ModelConfig, out: Path, tp: int,
-                     dtype: torch.dtype) -> Layout:
-    """Write the checkpoint files into ``out`` (an existing, empty directory); fsync'd, metadata.json last."""
-    import pickle
+def write_torch_dist(reader: HFCheckpointReader, cfg: ModelConfig, out: Path, tp: int, dtype) -> Layout:
+    """Write the checkpoint files into ``out`` (an existing, empty directory); fsync'd, metadata.json last.
 
-    import torch
-    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
-    from torch.distributed.checkpoint.metadata import (
-        BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta, TensorProperties,
-        TensorStorageMetadata)
-
+    ``dtype`` (a name, ``"bfloat16"``, or a ``torch.dtype``) is the checkpoint's; torch is imported only
+    if some chunk must be built as a tensor (a cast).
+    """
     layout = plan_layout(cfg, tp)
     dtype_name = str(dtype).removeprefix("torch.")
     out = Path(out)
-    _write_file(out / COMMON_FILE, _torch_save_bytes({}))
-    extra_state = _torch_save_bytes([None])
+    _write_file(out / COMMON_FILE, saved_object(tp_pickle.plain_pickle({})))
+    extra_state = saved_object(tp_pickle.plain_pickle([None]))
     storage: dict = {}
-    resolver = ChunkResolver(reader, cfg, tp, dtype)
+    resolver = ChunkResolver(reader, cfg, tp, dtype_name)
     files: dict[Path, int] = {}
     buffer = bytearray(BLOCK)
     copied = 0
@@ -269,7 +265,7 @@ def write_torch_dist(reader: HFCheckpointReader, cfg: ModelConfig, out: Path, tp
         for key in layout.objects:
             offset = os.lseek(fd, 0, os.SEEK_CUR)
             os.write(fd, extra_state)
-            storage[MetadataIndex(key)] = _StorageInfo(DATA_FILE, offset, len(extra_state))
+            storage[tp_pickle.metadata_index(key)] = tp_pickle.storage_info(DATA_FILE, offset, len(extra_state))
         for saved, index, chunk in _layer_order(layout):
             segments = copy_segments(reader, cfg, chunk, dtype_name, files)
             tensor = None
@@ -283,8 +279,8 @@ def write_torch_dist(reader: HFCheckpointReader, cfg: ModelConfig, out: Path, tp
                 copied += 1
             offset = os.lseek(fd, 0, os.SEEK_CUR)
             length = write_tensor_record(fd, dtype_name, chunk.sizes, segments, buffer)
-            storage[MetadataIndex(saved.key, torch.Size(chunk.offsets), index)] = _StorageInfo(DATA_FILE, offset,
-                                                                                              length)
+            storage[tp_pickle.metadata_index(saved.key, chunk.offsets, index)] = tp_pickle.storage_info(
+                DATA_FILE, offset, length)
             del tensor, segments
         os.fsync(fd)
     finally:
@@ -294,20 +290,22 @@ def write_torch_dist(reader: HFCheckpointReader, cfg: ModelConfig, out: Path, tp
             os.close(source)
     logger.info("%d of %d chunks copied as byte ranges of the safetensors files, the rest built as tensors", copied,
                 len(storage) - len(layout.objects))
-    properties = TensorProperties(dtype=dtype)
-    state_dict_metadata: dict = {}
-    for key, saved in layout.tensors.items():
-        state_dict_metadata[key] = TensorStorageMetadata(
-            properties, torch.Size(saved.shape),
-            [ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.sizes)) for c in saved.chunks])
-    for key in layout.objects:
-        state_dict_metadata[key] = BytesStorageMetadata()
-    metadata = Metadata(state_dict_metadata=state_dict_metadata, planner_data=None, storage_data=storage,
-                        storage_meta=StorageMeta(checkpoint_id=out, save_id=str(uuid.uuid4())),
-                        version=CURRENT_DCP_VERSION)
-    _write_file(out / DCP_METADATA, pickle.dumps(metadata))
+    _write_file(out / DCP_METADATA, tp_pickle.metadata_pickle(dcp_metadata(layout, dtype_name, storage, out)))
     _write_file(out / MEGATRON_METADATA, json.dumps(CHECKPOINTING_CONFIG).encode())
     return layout
+
+
+def dcp_metadata(layout: Layout, dtype_name: str, storage_data: dict, checkpoint_id, save_id: str | None = None):
+    """DCP's ``Metadata`` of the checkpoint (as :mod:`conversion.torch_pickle` stand-ins)."""
+    properties = tp_pickle.tensor_properties(dtype_name)
+    state_dict_metadata: dict = {}
+    for key, saved in layout.tensors.items():
+        state_dict_metadata[key] = tp_pickle.tensor_storage_metadata(
+            properties, saved.shape, [tp_pickle.chunk_storage_metadata(c.offsets, c.sizes) for c in saved.chunks])
+    for key in layout.objects:
+        state_dict_metadata[key] = tp_pickle.bytes_storage_metadata()
+    meta = tp_pickle.storage_meta(checkpoint_id, save_id or str(uuid.uuid4()))
+    return tp_pickle.metadata(state_dict_metadata, storage_data, meta)
 
 
 def _layer_order(layout: Layout):

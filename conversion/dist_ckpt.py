@@ -34,34 +34,39 @@ import logging
 import os
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 import yaml
 
 from conversion import mapping
-from conversion.hf_io import HFCheckpointReader, copy_tokenizer_files
+from conversion.hf_io import HFCheckpointReader, copy_tokenizer_files, dtype_name
 from conversion.megatron_to_hf import (  # noqa: F401  (re-exported: the reading half)
     convert_megatron_to_hf, dist_key, find_model_config, resolve_checkpoint_dir)
 from megatron_arpo.model_config import ModelConfig, read_hf_config
 
+if TYPE_CHECKING:
+    import torch
+
 logger = logging.getLogger(__name__)
 
 def write_megatron_checkpoint(reader: HFCheckpointReader, cfg: ModelConfig, out: Path, tp: int,
-                              dtype: torch.dtype | None = None) -> None:
-    """Write the Megatron checkpoint files of ``reader``'s model into ``out`` (an existing empty dir)."""
+                              dtype: torch.dtype | str | None = None) -> None:
+    """Write the Megatron checkpoint files of ``reader``'s model into ``out`` (an existing empty dir).
+
+    ``dtype`` (default: the checkpoint's) is a name or a ``torch.dtype``; torch is imported only to cast.
+    """
     from conversion.dcp_write import write_torch_dist
 
     # As Megatron's Float16Module does for a bf16/fp16 run: norms too are stored in the params dtype.
-    params_dtype = dtype or reader.read("model.norm.weight").dtype
+    params_dtype = dtype_name(dtype) if dtype is not None else reader.locate("model.norm.weight").dtype
     write_torch_dist(reader, cfg, out, tp, params_dtype)
 
 
 def convert_hf_to_megatron(hf_dir: str | os.PathLike, out: str | os.PathLike, tp: int = 1, pp: int = 1,
                            model_cfg: ModelConfig | None = None, overwrite: bool = False,
-                           dtype: torch.dtype | None = None) -> Path:
+                           dtype: torch.dtype | str | None = None) -> Path:
     """``hf-to-megatron``: validate, then write the checkpoint atomically (temp dir, rename)."""
     from conversion.config_json import store_original_config
-    from conversion.live import validate_hf_checkpoint
     from conversion.outdir import atomic_output_dir, check_distinct_paths, check_output_dir, write_marker
     from megatron_arpo.model_config import model_config_from_hf
 
@@ -72,7 +77,7 @@ def convert_hf_to_megatron(hf_dir: str | os.PathLike, out: str | os.PathLike, tp
         model_cfg = model_config_from_hf(hf_config, name=Path(hf_dir).name)
     mapping.get_table(model_cfg.model_type)
     reader = HFCheckpointReader(hf_dir)
-    validate_hf_checkpoint(reader, model_cfg)
+    mapping.validate_hf_checkpoint(reader, model_cfg)
     mapping.check_layout(model_cfg, tp, pp, "hf-to-megatron")
     with atomic_output_dir(out, overwrite) as tmp:
         write_megatron_checkpoint(reader, model_cfg, tmp, tp, dtype)

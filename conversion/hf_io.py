@@ -83,14 +83,12 @@ class HFCheckpointReader:
             path = self.dir / fname
             if not path.exists():
                 raise FileNotFoundError(f"{path}: listed in {SAFETENSORS_INDEX} but missing (incomplete download?)")
-            try:
-                handle = safe_open(str(path), framework="pt")
-                names = list(handle.keys())
+            try:  # safetensors validates the header; "numpy": torch is imported only when a tensor is read
+                names = list(safe_open(str(path), framework="numpy").keys())
             except Exception as exc:  # safetensors raises its own SafetensorError
                 raise ValueError(f"{path}: not a readable safetensors file ({exc}); the file is truncated or "
                                  f"corrupt, re-download or re-export it") from exc
             self._headers[fname] = _check_complete(path)
-            self._handles[fname] = handle
             self._paths = getattr(self, "_paths", {})
             self._paths[fname] = path
             for name in names:
@@ -106,24 +104,29 @@ class HFCheckpointReader:
 
     def release(self) -> None:
         """Unmap the files (reopen lazily): pages read so far stop counting toward this process's RSS."""
-        from safetensors import safe_open
-
-        self._handles = {fname: safe_open(str(path), framework="pt") for fname, path in self._paths.items()}
+        self._handles = {}
 
     def _slice(self, name: str):
-        try:
-            return self._handles[self._file_of[name]].get_slice(name)
-        except KeyError:
-            raise KeyError(f"{self.dir}: no tensor named {name!r}") from None
+        from safetensors import safe_open
 
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._slice(name).get_shape())
+        fname = self._file(name)
+        handle = self._handles.get(fname)
+        if handle is None:
+            handle = self._handles[fname] = safe_open(str(self._paths[fname]), framework="pt")
+        return handle.get_slice(name)
 
-    def locate(self, name: str) -> StoredRange:
-        """Where tensor ``name``'s bytes are (row-major, as safetensors stores every tensor)."""
+    def _file(self, name: str) -> str:
         fname = self._file_of.get(name)
         if fname is None:
             raise KeyError(f"{self.dir}: no tensor named {name!r}")
+        return fname
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._headers[self._file(name)][1][name]["shape"])
+
+    def locate(self, name: str) -> StoredRange:
+        """Where tensor ``name``'s bytes are (row-major, as safetensors stores every tensor)."""
+        fname = self._file(name)
         start, header = self._headers[fname]
         entry = header[name]
         begin, end = entry["data_offsets"]
@@ -131,7 +134,8 @@ class HFCheckpointReader:
                            tuple(entry["shape"]))
 
     def dtype(self, name: str) -> str:
-        return self._slice(name).get_dtype()
+        """The safetensors dtype code (``"BF16"``)."""
+        return self._headers[self._file(name)][1][name]["dtype"]
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return {name: self.shape(name) for name in self._file_of}

@@ -32,8 +32,9 @@ from typing import Callable, Iterator, Mapping, Sequence
 import torch
 
 from conversion import mapping
+from conversion.mapping import check_hf_dtypes, validate_hf_checkpoint  # noqa: F401  (re-exported)
 from conversion.hf_io import HFCheckpointReader
-from megatron_arpo.model_config import ModelConfig, check_hf_config, read_hf_config
+from megatron_arpo.model_config import ModelConfig
 from megatron_arpo.rollout.weight_sync import BufferPool, pack_in_order
 
 logger = logging.getLogger(__name__)
@@ -68,35 +69,6 @@ def _optional_output(cfg: ModelConfig):
     # Tied models: the output layer shares the embedding on a single stage, so it has no parameter.
     return lambda rule: isinstance(rule.rule, mapping.VocabEmbedding) and rule.rule.is_tied(cfg) \
         and rule.megatron == "output_layer.weight"
-
-
-def validate_hf_checkpoint(reader: HFCheckpointReader, cfg: ModelConfig, check_config: bool = True) -> list:
-    """Config, coverage and shape checks on an HF checkpoint; returns the bound table."""
-    if check_config:
-        check_hf_config(cfg, read_hf_config(reader.dir), hf_where=str(reader.dir / "config.json"))
-    bound = mapping.bind_table(cfg)
-    mapping.check_hf_coverage(bound, reader.names(), str(reader.dir))
-    mapping.check_hf_shapes(bound, cfg, reader.shapes(), str(reader.dir))
-    check_hf_dtypes(reader)
-    return bound
-
-
-def check_hf_dtypes(reader: HFCheckpointReader) -> None:
-    """All tensors must share one floating dtype; name the ones that do not."""
-    by_dtype: dict[str, list[str]] = {}
-    for name in reader.names():
-        by_dtype.setdefault(reader.dtype(name), []).append(name)
-    majority = max(by_dtype, key=lambda d: len(by_dtype[d]))
-    problems = []
-    if majority not in ("F32", "BF16", "F16"):
-        problems.append(f"tensors are {majority}; expected a floating dtype (F32, BF16 or F16)")
-    for dtype, names in sorted(by_dtype.items()):
-        if dtype != majority:
-            problems.append(f"{len(names)} tensor(s) are {dtype} while {len(by_dtype[majority])} are {majority}: "
-                            f"{names[:10]}")
-    if problems:
-        raise ValueError(f"{reader.dir}: dtype mismatch: " + "; ".join(problems)
-                         + ". Re-save the checkpoint in one dtype.")
 
 
 @torch.no_grad()

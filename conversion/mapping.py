@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Callable, Iterable, Mapping
 
-from megatron_arpo.model_config import ModelConfig, layout_errors
+from megatron_arpo.model_config import ModelConfig, check_hf_config, layout_errors, read_hf_config
 from megatron_arpo.models.registry import get_family
 from megatron_arpo.models.rules import (  # noqa: F401  (re-exported: the converters' vocabulary)
     LAYER,
@@ -37,6 +37,8 @@ from megatron_arpo.models.rules import (  # noqa: F401  (re-exported: the conver
 
 if TYPE_CHECKING:
     import torch
+
+    from conversion.hf_io import HFCheckpointReader
 
 # Transformer Engine fuses the pre-attention / pre-MLP norms into the following linear; Megatron's
 # dist-checkpoint keys use these names for both specs.
@@ -306,3 +308,32 @@ def is_shared_output(rule: BoundRule, cfg: ModelConfig, pp_size: int) -> bool:
     """With tied embeddings and one pipeline stage Megatron has no separate ``output_layer.weight``."""
     return (isinstance(rule.rule, VocabEmbedding) and rule.rule.is_tied(cfg) and pp_size == 1
             and rule.megatron == "output_layer.weight")
+
+
+def validate_hf_checkpoint(reader: HFCheckpointReader, cfg: ModelConfig, check_config: bool = True) -> list:
+    """Config, coverage and shape checks on an HF checkpoint; returns the bound table."""
+    if check_config:
+        check_hf_config(cfg, read_hf_config(reader.dir), hf_where=str(reader.dir / "config.json"))
+    bound = bind_table(cfg)
+    check_hf_coverage(bound, reader.names(), str(reader.dir))
+    check_hf_shapes(bound, cfg, reader.shapes(), str(reader.dir))
+    check_hf_dtypes(reader)
+    return bound
+
+
+def check_hf_dtypes(reader: HFCheckpointReader) -> None:
+    """All tensors must share one floating dtype; name the ones that do not."""
+    by_dtype: dict[str, list[str]] = {}
+    for name in reader.names():
+        by_dtype.setdefault(reader.dtype(name), []).append(name)
+    majority = max(by_dtype, key=lambda d: len(by_dtype[d]))
+    problems = []
+    if majority not in ("F32", "BF16", "F16"):
+        problems.append(f"tensors are {majority}; expected a floating dtype (F32, BF16 or F16)")
+    for dtype, names in sorted(by_dtype.items()):
+        if dtype != majority:
+            problems.append(f"{len(names)} tensor(s) are {dtype} while {len(by_dtype[majority])} are {majority}: "
+                            f"{names[:10]}")
+    if problems:
+        raise ValueError(f"{reader.dir}: dtype mismatch: " + "; ".join(problems)
+                         + ". Re-save the checkpoint in one dtype.")

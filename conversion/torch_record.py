@@ -6,7 +6,7 @@ of the time of writing a 1.5 GB embedding; ``zlib.crc32`` runs at about 6 GB/s. 
 here, entry for entry as ``torch.save`` lays it out (torch 2.x, checked by ``tests/unit/test_conversion_dcp_write.py``):
 
 - entries ``archive/data.pkl`` (the pickle ``torch.save`` writes, byte for byte: ``_rebuild_tensor_v2``
-  over persistent storage ``"0"``), ``.format_version``, ``.storage_alignment``, ``byteorder``,
+  over persistent storage ``"0"``, pickled without torch by :mod:`conversion.torch_pickle`), ``.format_version``, ``.storage_alignment``, ``byteorder``,
   ``data/0`` (the raw row-major bytes), ``version``, ``.data/serialization_id``;
 - stored (no compression), each data start aligned to 64 bytes from the record start with an ``FB``
   padding extra field, sizes and CRC after the data in a data descriptor (general-purpose flag bit 3,
@@ -21,25 +21,20 @@ write of one cache-sized block.
 
 from __future__ import annotations
 
-import collections
-import io
 import os
-import pickle
 import struct
 import zlib
 from dataclasses import dataclass
 from typing import Iterable
 
 from conversion.hf_io import ELEMENT_SIZES
+from conversion.torch_pickle import data_pickle  # noqa: F401  (re-exported: a record's pickle)
 
 # Bytes per read-checksum-write step: small enough that the CRC and the write find the block still in the
 # CPU cache (256 KB ran 2x faster than 8 MB here: 0.5 vs 1.1 s for a 1.5 GB file, page cache to page cache).
 BLOCK = 256 << 10
 ALIGN = 64
 PREFIX = "archive/"
-STORAGE_CLASSES = {"float32": "FloatStorage", "float16": "HalfStorage", "bfloat16": "BFloat16Storage",
-                   "float64": "DoubleStorage", "int64": "LongStorage", "int32": "IntStorage", "int16": "ShortStorage",
-                   "int8": "CharStorage", "uint8": "ByteStorage", "bool": "BoolStorage"}
 _FLAGS = 0x0808  # bit 3: sizes and CRC in a data descriptor; bit 11: UTF-8 names
 ZIP64_LIMIT = 0xFFFFFFFF  # sizes / offsets from here on go in zip64 fields (a test lowers it)
 _MARKER = 0xFFFFFFFF  # "see the zip64 extra field"
@@ -55,41 +50,20 @@ class Segment:
     buffer: memoryview | None = None
 
 
-def data_pickle(dtype: str, shape: tuple[int, ...]) -> bytes:
-    """The ``data.pkl`` torch.save writes for a contiguous CPU tensor of ``dtype`` and ``shape``."""
-    import torch
-    import torch._utils
-
-    numel, stride = 1, []
-    for dim in reversed(shape):
-        stride.append(numel)
-        numel *= dim
-    storage_class = getattr(torch, STORAGE_CLASSES[dtype])
-    storage = object()
-
-    class Pickler(pickle.Pickler):
-        def persistent_id(self, obj):
-            return ("storage", storage_class, "0", "cpu", numel) if obj is storage else None
-
-    class Tensor:
-        def __reduce__(self):
-            return (torch._utils._rebuild_tensor_v2,
-                    (storage, 0, tuple(shape), tuple(reversed(stride)), False, collections.OrderedDict()))
-
-    out = io.BytesIO()
-    Pickler(out, protocol=2).dump(Tensor())
-    return out.getvalue()
-
-
 class _Archive:
-    def __init__(self, fd: int):
-        self.fd, self.start, self.pos, self.entries = fd, os.lseek(fd, 0, os.SEEK_CUR), 0, []
+    """A zip archive written entry by entry to a file descriptor, or to ``fd``, a bytearray."""
+
+    def __init__(self, fd: int | bytearray):
+        self.fd, self.pos, self.entries = fd, 0, []
 
     def _write(self, data) -> None:
-        view = memoryview(data)
-        while view:
-            written = os.write(self.fd, view)
-            view = view[written:]
+        if isinstance(self.fd, bytearray):
+            self.fd += data
+        else:
+            view = memoryview(data)
+            while view:
+                written = os.write(self.fd, view)
+                view = view[written:]
         self.pos += len(data)
 
     def begin(self, name: str) -> None:
@@ -134,6 +108,25 @@ class _Archive:
         return self.pos
 
 
+def _header_entries(archive: _Archive, pickled: bytes) -> None:
+    archive.entry("data.pkl", pickled)
+    archive.entry(".format_version", b"1")
+    archive.entry(".storage_alignment", str(ALIGN).encode())
+    archive.entry("byteorder", b"little")
+
+
+def saved_object(pickled: bytes) -> bytes:
+    """What ``torch.save`` writes for an object without tensors whose ``data.pkl`` is ``pickled``
+    (:func:`conversion.torch_pickle.plain_pickle`): ``common.pt`` (``{}``), an ``_extra_state`` (``[None]``)."""
+    out = bytearray()
+    archive = _Archive(out)
+    _header_entries(archive, pickled)
+    archive.entry("version", b"3\n")
+    archive.entry(".data/serialization_id", b"0" * 40)  # torch: 40 digits, any value
+    archive.close()
+    return bytes(out)
+
+
 def write_tensor_record(fd: int, dtype: str, shape: tuple[int, ...], segments: Iterable[Segment],
                         buffer: bytearray | None = None) -> int:
     """Append one tensor record at ``fd``'s position; returns its length. The segments are its row-major bytes."""
@@ -141,10 +134,7 @@ def write_tensor_record(fd: int, dtype: str, shape: tuple[int, ...], segments: I
     for dim in shape:
         expected *= dim
     archive = _Archive(fd)
-    archive.entry("data.pkl", data_pickle(dtype, tuple(shape)))
-    archive.entry(".format_version", b"1")
-    archive.entry(".storage_alignment", str(ALIGN).encode())
-    archive.entry("byteorder", b"little")
+    _header_entries(archive, data_pickle(dtype, tuple(shape)))
     archive.begin("data/0")
     buffer = buffer if buffer is not None else bytearray(BLOCK)
     view = memoryview(buffer)
