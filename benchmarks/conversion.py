@@ -115,6 +115,23 @@ def settle_page_cache() -> None:
         fh.write("3\n")
 
 
+def cached_fraction(directory: Path) -> float:
+    """The fraction of ``directory``'s file bytes resident in the page cache (util-linux ``fincore``), or NaN
+    where ``fincore`` is missing: the warm runs' inputs may or may not still be cached, this says which."""
+    settle_page_cache()  # with --cold, what the timed command will find: nothing
+    files = [str(p) for p in directory.rglob("*") if p.is_file()]
+    total = sum(os.path.getsize(f) for f in files)
+    if not files or not total or shutil.which("fincore") is None:
+        return float("nan")
+    out = subprocess.run(["fincore", "--bytes", "--noheadings", "--raw", "--output", "RES", *files],
+                         check=True, capture_output=True, text=True).stdout.split()
+    return sum(int(x) for x in out) / total
+
+
+def _percent(fraction: float) -> str:
+    return "n/a" if fraction != fraction else f"{100 * fraction:.0f}%"
+
+
 def timed_cp(src: Path, dst: Path) -> float:
     settle_page_cache()
     start = time.perf_counter()
@@ -132,11 +149,14 @@ def run_once(layers: int, width: dict, work: Path, tp: int, pp: int) -> dict:
     work.mkdir()
     try:
         cfg, largest, total = build_synthetic(layers, work / "hf", width)
+        cached = {"cp": cached_fraction(work / "hf")}
         cp_s = timed_cp(work / "hf", work / "cp")
         shutil.rmtree(work / "cp")
         py = [sys.executable, "-m", "conversion"]
+        cached["to_mg"] = cached_fraction(work / "hf")
         to_mg = _peak_child(py + ["hf-to-megatron", "--hf", str(work / "hf"), "--out", str(work / "mg"),
                                   "--tp", str(tp), "--pp", str(pp), "--model-config", str(work / "hf.yaml")])
+        cached["to_hf"] = cached_fraction(work / "mg")
         to_hf = _peak_child(py + ["megatron-to-hf", "--megatron", str(work / "mg"), "--out", str(work / "back")])
         # cp of this direction's own input, right after it (so cp, not the conversion, gets whatever of the
         # Megatron files the conversion brought back into the page cache): the first cp's source was just
@@ -152,7 +172,7 @@ def run_once(layers: int, width: dict, work: Path, tp: int, pp: int) -> dict:
                 to_mg_mbs=total / 1e6 / to_mg[0], to_mg_hwm=to_mg[1] / 1e9, to_mg_anon=to_mg[2] / 1e9,
                 to_hf_mbs=total / 1e6 / to_hf[0], to_hf_hwm=to_hf[1] / 1e9, to_hf_anon=to_hf[2] / 1e9,
                 to_mg_s=to_mg[0], to_hf_s=to_hf[0], cp_s=cp_s, cp_mg_mbs=mg_bytes / 1e6 / cp_mg_s, cp_mg_s=cp_mg_s,
-                exact=exact)
+                exact=exact, cached=cached)
 
 
 def main() -> None:
@@ -186,14 +206,16 @@ def main() -> None:
     cache = ", cold page cache (--cold)" if COLD else ""
     print(f"\n{args.width} width, bf16, TP={args.tp} PP={args.pp}{cache}; RSS = peak VmHWM / peak RssAnon (GB)")
     print("| layers | run | ckpt GB | largest tensor GB | cp MB/s | HF->Megatron MB/s (x cp) | RSS | "
-          "Megatron->HF MB/s (x cp) | cp of the Megatron files MB/s (Megatron->HF x it) | RSS | bit-exact |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "Megatron->HF MB/s (x cp) | cp of the Megatron files MB/s (Megatron->HF x it) | RSS | bit-exact | "
+          "input cached before cp / HF->Megatron / Megatron->HF |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['layers']} | {r['run']} | {r['gb']:.2f} | {r['largest_gb']:.2f} | {r['cp_mbs']:.0f} | "
               f"{r['to_mg_mbs']:.0f} ({r['to_mg_mbs'] / r['cp_mbs']:.2f}) | {r['to_mg_hwm']:.2f} / {r['to_mg_anon']:.2f} | "
               f"{r['to_hf_mbs']:.0f} ({r['to_hf_mbs'] / r['cp_mbs']:.2f}) | "
               f"{r['cp_mg_mbs']:.0f} ({r['to_hf_mbs'] / r['cp_mg_mbs']:.2f}) | "
-              f"{r['to_hf_hwm']:.2f} / {r['to_hf_anon']:.2f} | {'yes' if r['exact'] else 'NO'} |")
+              f"{r['to_hf_hwm']:.2f} / {r['to_hf_anon']:.2f} | {'yes' if r['exact'] else 'NO'} | "
+              f"{' / '.join(_percent(r['cached'][k]) for k in ('cp', 'to_mg', 'to_hf'))} |")
     worst = min(min(r['to_mg_mbs'], r['to_hf_mbs']) / r['cp_mbs'] for r in rows)
     print(f"lowest ratio to cp over all rows and both directions: {worst:.2f}")
 
