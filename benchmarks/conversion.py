@@ -11,9 +11,10 @@ run ``--repeats`` times (default 2), each run with its own ``cp`` next to it. Pe
   memory-mapped inputs are page cache the kernel can drop) against the largest single tensor,
 - that the round trip is bit-exact (every tensor compared).
 
-``--cold`` syncs and drops the page cache before every timed command, ``cp`` included, so that each reads
-its input from disk and none pays for an earlier command's writeback; without it, ``cp`` reads safetensors
-files just written (in the page cache) while the conversions' inputs may or may not still be cached.
+Every timed command, ``cp`` included, starts after a ``sync``: none pays for an earlier command's writeback.
+``--cold`` also drops the page cache before each, so that each reads its input from disk; without it, ``cp``
+reads safetensors files just written (in the page cache) while a conversion's input may or may not still be
+cached (the table prints how much was).
 
 ``--width reduced`` (hidden 1024, FFN 3072, 8/2 heads of 128, same vocabulary) with ``--layers 2 16 64``
 checks that peak memory does not grow with the layer count.
@@ -102,15 +103,16 @@ def _peak_child(cmd: list[str]) -> tuple[float, int, int]:
     return seconds, peak["hwm"], peak["anon"]
 
 
-COLD = False  # --cold: every timed command starts with its input on disk and no dirty pages pending
+COLD = False  # --cold: every timed command also starts with its input on disk
 
 
 def settle_page_cache() -> None:
-    """With ``--cold``: write back every dirty page and drop the page cache (root only), so that each timed
-    command reads its input from disk and pays for no earlier command's writeback."""
+    """Before every timed command: write back every dirty page (``sync``), so that no command pays for an
+    earlier one's writeback or for the discards of files deleted before it (this filesystem is mounted with
+    ``discard``); with ``--cold`` also drop the page cache (root only), so that each reads its input from disk."""
+    os.sync()
     if not COLD:
         return
-    os.sync()
     with open("/proc/sys/vm/drop_caches", "w") as fh:
         fh.write("3\n")
 
@@ -118,7 +120,7 @@ def settle_page_cache() -> None:
 def cached_fraction(directory: Path) -> float:
     """The fraction of ``directory``'s file bytes resident in the page cache (util-linux ``fincore``), or NaN
     where ``fincore`` is missing: the warm runs' inputs may or may not still be cached, this says which."""
-    settle_page_cache()  # with --cold, what the timed command will find: nothing
+    settle_page_cache()  # what the timed command will find (with --cold: nothing)
     files = [str(p) for p in directory.rglob("*") if p.is_file()]
     total = sum(os.path.getsize(f) for f in files)
     if not files or not total or shutil.which("fincore") is None:
