@@ -249,21 +249,24 @@ class BufferPool:
         buf, idle = entry
         return idle is not None and storage_users(buf) == idle
 
+    def _free(self, device: Any, nbytes: int) -> tuple[list[int], list[int]]:
+        """Indices of the idle buffers on ``device``, and of those among them holding ``nbytes``."""
+        free = [k for k, entry in enumerate(self._buffers) if entry[0].device == device and self._idle(entry)]
+        return free, [k for k in free if self._buffers[k][0].numel() >= nbytes]
+
     def take(self, nbytes: int, device: Any = None) -> Any:
         """A ``uint8`` tensor of ``nbytes`` bytes on ``device`` (default: the pool's) that nothing else
         uses; its content is undefined."""
         import torch
 
         device = torch.device(device if device is not None else self.device or "cpu")
-        free = [k for k, entry in enumerate(self._buffers) if entry[0].device == device and self._idle(entry)]
-        fitting = [k for k in free if self._buffers[k][0].numel() >= nbytes]
+        free, fitting = self._free(device, nbytes)
         largest_free = max((self._buffers[k][0].numel() for k in free), default=0)
         if (not fitting and self.wait is not None and len(self._buffers) >= self.count
                 and nbytes > WAIT_ABOVE_GROWTH * largest_free
                 and any(buf.numel() >= nbytes and buf.device == device for buf, _ in self._buffers)):
             self.wait()
-            free = [k for k, entry in enumerate(self._buffers) if entry[0].device == device and self._idle(entry)]
-            fitting = [k for k in free if self._buffers[k][0].numel() >= nbytes]
+            free, fitting = self._free(device, nbytes)
         if fitting:
             k = min(fitting, key=lambda k: self._buffers[k][0].numel())
             self.stats["reused"] += 1
