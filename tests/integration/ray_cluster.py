@@ -56,15 +56,27 @@ def _port_free(port: int) -> bool:
     return True
 
 
-def _free_port_base(num_nodes: int) -> int:
-    """Base of a block [base, base + 10 + num_nodes * _PORTS_PER_NODE) whose every port is free now."""
+def free_port_block(span: int, lo: int = 20000) -> int:
+    """Base of a block [base, base + span) whose every port is free now (TIME_WAIT counts as taken).
+
+    The block lies below the kernel's ephemeral range (``net.ipv4.ip_local_port_range``), as the
+    launcher's default ``ray_port_range`` does: a port inside that range that is free when the block is
+    picked can be taken by any outgoing connection before Ray binds it (CI saw exactly that).
+    """
+    from megatron_arpo.cluster.ports import ephemeral_overlap
+
+    overlap = ephemeral_overlap(lo, 65535)
+    top = min(overlap[0] if overlap else 32768, 32768)
     rng = random.Random()
-    span = 10 + num_nodes * _PORTS_PER_NODE
     for _ in range(200):
-        base = rng.randrange(30000, 60000 - span, 10)
+        base = rng.randrange(lo, top - span, 10)
         if all(_port_free(p) for p in range(base, base + span)):
             return base
-    raise RuntimeError("ray_cluster: no free block of ports for a local Ray cluster in 30000-60000")
+    raise RuntimeError(f"no free block of {span} ports found in {lo}-{top}")
+
+
+def _free_port_base(num_nodes: int) -> int:
+    return free_port_block(10 + num_nodes * _PORTS_PER_NODE)
 
 
 def _ray_cli() -> str:

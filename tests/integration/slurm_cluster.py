@@ -10,38 +10,23 @@ users of this machine.
 from __future__ import annotations
 
 import os
-import random
-import socket
 import sys
 from pathlib import Path
 
 import pytest
 
 from launchers.slurm_local import LocalSlurmCluster, missing_requirements
+from ray_cluster import free_port_block
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def _port_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(("0.0.0.0", port))
-        except OSError:
-            return False
-    return True
-
-
 def free_port_plan(num_nodes: int = 2, ports_per_node: int = 40) -> dict[str, int]:
-    """Launcher port options (``ray_*``) for a cluster whose every port is currently free."""
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(30000, 60000 - 2 - num_nodes * ports_per_node, 10)
-        ports = [base, base + 1] + list(range(base + 10, base + 10 + num_nodes * ports_per_node))
-        if all(_port_free(p) for p in ports):
-            return {"ray_gcs_port": base, "ray_client_server_port": base + 1,
-                    "ray_node_port_base": base + 10, "ray_ports_per_node": ports_per_node}
-    raise RuntimeError("no free block of ports for a Ray cluster found in 30000-60000")
+    """Launcher port options (``ray_*``) for a cluster whose every port is currently free, below the
+    ephemeral range (see ``ray_cluster.free_port_block``)."""
+    base = free_port_block(10 + num_nodes * ports_per_node)
+    return {"ray_gcs_port": base, "ray_client_server_port": base + 1,
+            "ray_node_port_base": base + 10, "ray_ports_per_node": ports_per_node}
 
 
 # Test modules import the fixture, so pytest registers one "session" fixture per module; they share
