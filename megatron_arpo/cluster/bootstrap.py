@@ -490,7 +490,7 @@ def run_ray_node(opts: NodeOptions, command: Sequence[str] | None = None,
         head_address = None
         if not is_head:
             head_address = wait_for_head(opts)["address"]
-        _warn_ephemeral(opts.ports)
+        _warn_ephemeral(opts.ports, opts.node_id)
         ports = opts.ports.choose(opts.job_id, opts.node_id, opts.num_nodes)
         cpus = node_cpus(opts, os.environ if environ is None else environ)
         node = RayNodeProcess(ray_start_command(opts, node_ip, head_address, ports=ports, num_cpus=cpus), env,
@@ -541,10 +541,19 @@ def run_ray_node(opts: NodeOptions, command: Sequence[str] | None = None,
             log_sync.stop()
 
 
-def _warn_ephemeral(plan: PortPlan) -> None:
+def _warn_ephemeral(plan: PortPlan, node_id: int = 0) -> None:
+    """Warn when this node's Ray ports may lie in the kernel's ephemeral range, where any outgoing
+    connection can take one between the free check and Ray's bind (seen on CI with a pinned block)."""
     from megatron_arpo.cluster.ports import ephemeral_overlap
 
     if plan.pinned:
+        ports = list(plan.node_ports(node_id).values())
+        overlap = ephemeral_overlap(min(ports), max(ports))
+        if overlap:
+            logger.warning("launcher.ray_node_port_base puts node %d's Ray ports (%d-%d) inside this host's "
+                           "ephemeral port range %d-%d (net.ipv4.ip_local_port_range): outgoing connections "
+                           "may take them; pin ports below %d or unset launcher.ray_node_port_base",
+                           node_id, min(ports), max(ports), *overlap, overlap[0])
         return
     overlap = ephemeral_overlap(*plan.port_range)
     if overlap:

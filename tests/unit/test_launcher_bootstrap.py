@@ -235,3 +235,25 @@ def test_ray_session_logs_are_copied_to_the_run_dir_incrementally(tmp_path):
         fh.write("more\n")
     assert sync.stop() == 1 and (dest / "raylet.out").read_text() == "raylet up\nmore\n"
     assert RayLogSync(tmp_path / "nothing-here", dest).stop() == 0  # a node whose Ray never started
+
+
+def test_ports_inside_the_ephemeral_range_are_warned_about_pinned_or_derived(tmp_path, monkeypatch, caplog):
+    import functools
+
+    from megatron_arpo.cluster import bootstrap, ports
+
+    proc = tmp_path / "ip_local_port_range"
+    proc.write_text("32768\t60999\n")
+    monkeypatch.setattr(ports, "ephemeral_overlap", functools.partial(ports.ephemeral_overlap, proc_file=str(proc)))
+    caplog.set_level("WARNING", logger=bootstrap.logger.name)
+    for plan, node in ((PortPlan(ports_per_node=40, node_port_base=20000), 1),
+                       (PortPlan(port_range=(20000, 32000)), 0)):
+        bootstrap._warn_ephemeral(plan, node)
+    assert not caplog.records
+    bootstrap._warn_ephemeral(PortPlan(ports_per_node=40, node_port_base=32700), 1)  # node 1: 32740-32779
+    bootstrap._warn_ephemeral(PortPlan(ports_per_node=40, node_port_base=32700), 0)  # node 0: below 32768
+    bootstrap._warn_ephemeral(PortPlan(port_range=(30000, 40000)), 0)
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 2, messages
+    assert "node 1's Ray ports (32740-32779) inside this host's ephemeral port range 32768-60999" in messages[0]
+    assert "launcher.ray_port_range 30000-40000 overlaps" in messages[1]
