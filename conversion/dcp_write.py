@@ -56,6 +56,7 @@ from conversion.megatron_to_hf import dist_key
 from conversion import torch_pickle as tp_pickle
 from conversion.torch_record import BLOCK, Segment, saved_object, write_tensor_record
 from megatron_arpo.model_config import ModelConfig
+from megatron_arpo.fsutil import WriteBehind
 
 if TYPE_CHECKING:
     import torch
@@ -261,10 +262,11 @@ def write_torch_dist(reader: HFCheckpointReader, cfg: ModelConfig, out: Path, tp
     buffer = bytearray(BLOCK)
     copied = 0
     fd = os.open(out / DATA_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    behind = WriteBehind(fd)  # written back as it grows, its pages dropped from the page cache
     try:
         for key in layout.objects:
             offset = os.lseek(fd, 0, os.SEEK_CUR)
-            os.write(fd, extra_state)
+            behind.appended(os.write(fd, extra_state))
             storage[tp_pickle.metadata_index(key)] = tp_pickle.storage_info(DATA_FILE, offset, len(extra_state))
         for saved, index, chunk in _layer_order(layout):
             segments = copy_segments(reader, cfg, chunk, dtype_name, files)
@@ -278,11 +280,11 @@ def write_torch_dist(reader: HFCheckpointReader, cfg: ModelConfig, out: Path, tp
             else:
                 copied += 1
             offset = os.lseek(fd, 0, os.SEEK_CUR)
-            length = write_tensor_record(fd, dtype_name, chunk.sizes, segments, buffer)
+            length = write_tensor_record(fd, dtype_name, chunk.sizes, segments, buffer, behind)
             storage[tp_pickle.metadata_index(saved.key, chunk.offsets, index)] = tp_pickle.storage_info(
                 DATA_FILE, offset, length)
             del tensor, segments
-        os.fsync(fd)
+        behind.finish()
     finally:
         os.close(fd)
         resolver.close()

@@ -9,6 +9,9 @@
   tensor's byte offset are known before any data arrives; tensors are then written (in any order) with
   ``os.pwrite`` at their offset, or copied straight from another file's byte range (``copy_range``:
   ``os.copy_file_range``, as ``cp`` does). Peak memory is the tensor being written, not the shard size.
+  Each shard is written back as it grows and its pages dropped from the page cache
+  (:class:`megatron_arpo.fsutil.WriteBehind`), so a conversion neither fills the cache with its output nor
+  waits on reclaim (about 2x the speed of ``cp`` on a machine with a full page cache).
 - :func:`atomic_output_dir` (re-exported from :mod:`conversion.outdir`, which also guards the paths):
   output is built in a temporary sibling directory and renamed into place only when complete. No
   half-written checkpoint is ever visible at the target path.
@@ -29,6 +32,7 @@ if TYPE_CHECKING:
     import torch
 
 from conversion.outdir import atomic_output_dir, check_output_dir, write_json  # noqa: F401  (the writers' entry points)
+from megatron_arpo.fsutil import WriteBehind
 
 logger = logging.getLogger(__name__)
 
@@ -244,6 +248,7 @@ class SafetensorsShardWriter:
         total = len(shards)
         self._where: dict[str, tuple[int, int, TensorSpec]] = {}  # name -> (fd, offset, spec)
         self._fds: list[int] = []
+        self._behind: dict[int, WriteBehind] = {}  # per shard: written back and dropped as it grows
         self._sizes: list[int] = []
         self.weight_map: dict[str, str] = {}
         self.total_size = sum(s.nbytes for s in specs)
@@ -259,6 +264,7 @@ class SafetensorsShardWriter:
             raw += b" " * (-len(raw) % 8)  # data section starts 8-byte aligned
             fd = os.open(self.out_dir / fname, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
             os.pwrite(fd, len(raw).to_bytes(8, "little") + raw, 0)
+            self._behind[fd] = WriteBehind(fd, start=8 + len(raw))
             # No ftruncate to the final size here: on ext4, copies into a preallocated sparse file ran at a
             # third of the speed of appends (measured); tensors arrive in file order, so the file grows.
             self._fds.append(fd)
@@ -284,7 +290,9 @@ class SafetensorsShardWriter:
         view = memoryview(data)
         written = 0
         while written < len(view):
-            written += os.pwrite(fd, view[written:], offset + written)
+            n = os.pwrite(fd, view[written:written + _COPY_BLOCK], offset + written)
+            self._behind[fd].wrote(offset + written, n)
+            written += n
         self._pending.discard(name)
 
     def copy_range(self, name: str, src_fd: int, src_offset: int, nbytes: int, dst_offset: int) -> None:
@@ -300,7 +308,7 @@ class SafetensorsShardWriter:
             raise KeyError(f"tensor {name!r} was not declared to the shard writer") from None
         if dst_offset < 0 or dst_offset + nbytes > spec.nbytes:
             raise ValueError(f"{name}: bytes [{dst_offset}, {dst_offset + nbytes}) fall outside its {spec.nbytes}")
-        _copy_file_range(src_fd, src_offset, fd, offset + dst_offset, nbytes)
+        _copy_file_range(src_fd, src_offset, fd, offset + dst_offset, nbytes, self._behind[fd])
         self._copied[name] = self._copied.get(name, 0) + nbytes
         if self._copied[name] == spec.nbytes:
             self._pending.discard(name)
@@ -310,7 +318,7 @@ class SafetensorsShardWriter:
             raise ValueError(f"{len(self._pending)} declared tensor(s) never written: {sorted(self._pending)[:10]}")
         for fd, size in zip(self._fds, self._sizes):
             os.ftruncate(fd, size)  # a no-op unless trailing tensors were empty
-            os.fsync(fd)
+            self._behind[fd].finish()
             os.close(fd)
         self._fds = []
         if len(set(self.weight_map.values())) > 1:
@@ -326,13 +334,16 @@ class SafetensorsShardWriter:
 _COPY_BLOCK = 64 * 2**20
 
 
-def _copy_file_range(src: int, src_offset: int, dst: int, dst_offset: int, nbytes: int) -> None:
+def _copy_file_range(src: int, src_offset: int, dst: int, dst_offset: int, nbytes: int,
+                     behind: WriteBehind | None = None) -> None:
+    """Copy in pieces of at most ``_COPY_BLOCK`` bytes, telling ``behind`` after each (see WriteBehind)."""
     done = 0
     use_kernel = hasattr(os, "copy_file_range")
     while done < nbytes:
         if use_kernel:
             try:
-                n = os.copy_file_range(src, dst, nbytes - done, src_offset + done, dst_offset + done)
+                n = os.copy_file_range(src, dst, min(_COPY_BLOCK, nbytes - done), src_offset + done,
+                                       dst_offset + done)
             except OSError as exc:
                 if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EPERM):
                     raise
@@ -346,6 +357,8 @@ def _copy_file_range(src: int, src_offset: int, dst: int, dst_offset: int, nbyte
                 written += os.pwrite(dst, memoryview(data)[written:], dst_offset + done + written)
         if n == 0:
             raise ValueError(f"source file ended {nbytes - done} bytes early while copying (truncated?)")
+        if behind is not None:
+            behind.wrote(dst_offset + done, n)
         done += n
 
 

@@ -46,3 +46,96 @@ def atomic_write(path: str | os.PathLike, mode: str = "w", encoding: str | None 
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+_WRITE = 2  # SYNC_FILE_RANGE_WRITE
+_WAIT_ALL = 1 | 2 | 4  # SYNC_FILE_RANGE_WAIT_BEFORE | _WRITE | _WAIT_AFTER
+_sync_file_range = None  # libc's sync_file_range once looked up, False where there is none
+
+
+def _libc_sync_file_range():
+    global _sync_file_range
+    if _sync_file_range is None:
+        import ctypes
+
+        try:
+            func = ctypes.CDLL(None, use_errno=True).sync_file_range
+        except (OSError, AttributeError):  # not Linux, or a libc without it
+            func = False
+        else:
+            func.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+            func.restype = ctypes.c_int
+        _sync_file_range = func
+    return _sync_file_range
+
+
+class WriteBehind:
+    """Write-behind for a large output file: write back each ``window`` of bytes as soon as it is written,
+    then drop those pages from the page cache.
+
+    The file's bytes up to a frontier count as written; ranges written out of order wait until the frontier
+    reaches them. Each full window behind the frontier is handed to the disk at once
+    (``sync_file_range(WRITE)``); ``lag`` windows later the writer waits for it and drops its pages
+    (``posix_fadvise(DONTNEED)``). Why: a plain copy fills the page cache with dirty output pages, and on a
+    machine whose memory is full of cache every new page costs a reclaim; measured on this project's
+    machines, a 7 GB copy ran at 0.75-0.85 GB/s that way (as ``cp`` does) and at 1.8-2.5 GB/s with write-behind.
+    The output is then not left in the page cache (as ``dd oflag=nocache`` leaves it).
+
+    Nothing here makes the data durable: :meth:`finish` fsyncs. Where ``sync_file_range`` does not exist or
+    the file does not support it, the helper does nothing until :meth:`finish`.
+    """
+
+    def __init__(self, fd: int, window: int = 64 * 2**20, lag: int = 2, start: int = 0):
+        self.fd, self.window, self.lag = fd, window, lag
+        self.frontier = self.flushed = start
+        self._early: dict[int, int] = {}  # start -> end of ranges written beyond the frontier
+        self._in_flight: list[tuple[int, int]] = []
+        self._func = _libc_sync_file_range()
+
+    def wrote(self, offset: int, nbytes: int) -> None:
+        """Bytes ``[offset, offset + nbytes)`` of the file are written."""
+        end = offset + nbytes
+        if offset > self.frontier:
+            self._early[offset] = max(end, self._early.get(offset, end))
+            return
+        self.frontier = max(self.frontier, end)
+        while self._early:
+            later = [s for s in self._early if s <= self.frontier]
+            if not later:
+                break
+            for s in later:
+                self.frontier = max(self.frontier, self._early.pop(s))
+        while self._func and self.frontier - self.flushed >= self.window:
+            self._start(self.flushed, self.window)
+            self.flushed += self.window
+
+    def appended(self, nbytes: int) -> None:
+        """``nbytes`` more were written at the frontier (a file written strictly in order)."""
+        self.wrote(self.frontier, nbytes)
+
+    def _call(self, offset: int, nbytes: int, flags: int) -> None:
+        import ctypes
+        import errno
+
+        if self._func(self.fd, offset, nbytes, flags) != 0:
+            err = ctypes.get_errno()
+            if err in (errno.ENOSYS, errno.EINVAL, errno.ESPIPE, errno.EOPNOTSUPP):
+                self._func, self._in_flight = False, []  # not for this file: fsync at finish does it all
+                return
+            raise OSError(err, f"writing back bytes {offset}-{offset + nbytes}: {os.strerror(err)}")
+
+    def _start(self, offset: int, nbytes: int) -> None:
+        self._call(offset, nbytes, _WRITE)
+        self._in_flight.append((offset, nbytes))
+        if len(self._in_flight) > self.lag:
+            old, size = self._in_flight.pop(0)
+            self._call(old, size, _WAIT_ALL)
+            if self._func:
+                os.posix_fadvise(self.fd, old, size, os.POSIX_FADV_DONTNEED)
+
+    def finish(self) -> None:
+        """fsync the file, then drop its pages from the page cache."""
+        os.fsync(self.fd)
+        self._in_flight = []
+        if self._func:
+            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
