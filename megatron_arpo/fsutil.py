@@ -77,16 +77,17 @@ class WriteBehind:
     reaches them. Each full window behind the frontier is handed to the disk at once
     (``sync_file_range(WRITE)``); ``lag`` windows later the writer waits for it and drops its pages
     (``posix_fadvise(DONTNEED)``). Why: a plain copy fills the page cache with dirty output pages, and on a
-    machine whose memory is full of cache every new page costs a reclaim; measured on this project's
-    machines, a 7 GB copy ran at 0.75-0.85 GB/s that way (as ``cp`` does) and at 1.8-2.5 GB/s with write-behind.
+    machine whose memory is full of cache every new page costs a reclaim. ``benchmarks/write_behind.py``
+    (RESULTS.md): a 7 GB copy at a median 0.85 GB/s as ``cp`` does it, 2.4 GB/s with write-behind.
     The output is then not left in the page cache (as ``dd oflag=nocache`` leaves it).
 
+    ``drop=False`` keeps the pages (only the early writeback): ``benchmarks/write_behind.py`` compares the two.
     Nothing here makes the data durable: :meth:`finish` fsyncs. Where ``sync_file_range`` does not exist or
     the file does not support it, the helper does nothing until :meth:`finish`.
     """
 
-    def __init__(self, fd: int, window: int = 64 * 2**20, lag: int = 2, start: int = 0):
-        self.fd, self.window, self.lag = fd, window, lag
+    def __init__(self, fd: int, window: int = 64 * 2**20, lag: int = 2, start: int = 0, drop: bool = True):
+        self.fd, self.window, self.lag, self.drop = fd, window, lag, drop
         self.frontier = self.flushed = start
         self._early: dict[int, int] = {}  # start -> end of ranges written beyond the frontier
         self._in_flight: list[tuple[int, int]] = []
@@ -130,12 +131,12 @@ class WriteBehind:
         if len(self._in_flight) > self.lag:
             old, size = self._in_flight.pop(0)
             self._call(old, size, _WAIT_ALL)
-            if self._func:
+            if self._func and self.drop:
                 os.posix_fadvise(self.fd, old, size, os.POSIX_FADV_DONTNEED)
 
     def finish(self) -> None:
         """fsync the file, then drop its pages from the page cache."""
         os.fsync(self.fd)
         self._in_flight = []
-        if self._func:
+        if self._func and self.drop:
             os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
