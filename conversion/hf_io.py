@@ -246,10 +246,9 @@ class SafetensorsShardWriter:
             shards[-1].append(spec)
             size += spec.nbytes
         total = len(shards)
-        self._where: dict[str, tuple[int, int, TensorSpec]] = {}  # name -> (fd, offset, spec)
-        self._fds: list[int] = []
-        self._behind: dict[int, WriteBehind] = {}  # per shard: written back and dropped as it grows
-        self._sizes: list[int] = []
+        self._where: dict[str, tuple[WriteBehind, int, TensorSpec]] = {}  # name -> (its shard, offset, spec)
+        # Per shard: its file, written back and dropped from the page cache as it grows, and its final size.
+        self._shards: list[tuple[WriteBehind, int]] = []
         self.weight_map: dict[str, str] = {}
         self.total_size = sum(s.nbytes for s in specs)
         for i, shard in enumerate(shards):
@@ -264,14 +263,13 @@ class SafetensorsShardWriter:
             raw += b" " * (-len(raw) % 8)  # data section starts 8-byte aligned
             fd = os.open(self.out_dir / fname, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
             os.pwrite(fd, len(raw).to_bytes(8, "little") + raw, 0)
-            self._behind[fd] = WriteBehind(fd, start=8 + len(raw))
+            base = 8 + len(raw)
+            behind = WriteBehind(fd, start=base)
             # No ftruncate to the final size here: on ext4, copies into a preallocated sparse file ran at a
             # third of the speed of appends (measured); tensors arrive in file order, so the file grows.
-            self._fds.append(fd)
-            self._sizes.append(8 + len(raw) + offset)
-            base = 8 + len(raw)
+            self._shards.append((behind, base + offset))
             for spec in shard:
-                self._where[spec.name] = (fd, base + header[spec.name]["data_offsets"][0], spec)
+                self._where[spec.name] = (behind, base + header[spec.name]["data_offsets"][0], spec)
                 self.weight_map[spec.name] = fname
         self._pending = set(self._where)
         self._copied: dict[str, int] = {}
@@ -280,7 +278,7 @@ class SafetensorsShardWriter:
         import torch
 
         try:
-            fd, offset, spec = self._where[name]
+            behind, offset, spec = self._where[name]
         except KeyError:
             raise KeyError(f"tensor {name!r} was not declared to the shard writer") from None
         if tuple(tensor.shape) != spec.shape or dtype_name(tensor.dtype) != dtype_name(spec.dtype):
@@ -290,8 +288,8 @@ class SafetensorsShardWriter:
         view = memoryview(data)
         written = 0
         while written < len(view):
-            n = os.pwrite(fd, view[written:written + _COPY_BLOCK], offset + written)
-            self._behind[fd].wrote(offset + written, n)
+            n = os.pwrite(behind.fd, view[written:written + _COPY_BLOCK], offset + written)
+            behind.wrote(offset + written, n)
             written += n
         self._pending.discard(name)
 
@@ -303,12 +301,12 @@ class SafetensorsShardWriter:
         The tensor counts as written once all its bytes have been copied.
         """
         try:
-            fd, offset, spec = self._where[name]
+            behind, offset, spec = self._where[name]
         except KeyError:
             raise KeyError(f"tensor {name!r} was not declared to the shard writer") from None
         if dst_offset < 0 or dst_offset + nbytes > spec.nbytes:
             raise ValueError(f"{name}: bytes [{dst_offset}, {dst_offset + nbytes}) fall outside its {spec.nbytes}")
-        _copy_file_range(src_fd, src_offset, fd, offset + dst_offset, nbytes, self._behind[fd])
+        _copy_file_range(src_fd, src_offset, behind.fd, offset + dst_offset, nbytes, behind)
         self._copied[name] = self._copied.get(name, 0) + nbytes
         if self._copied[name] == spec.nbytes:
             self._pending.discard(name)
@@ -316,19 +314,19 @@ class SafetensorsShardWriter:
     def close(self) -> None:
         if self._pending:
             raise ValueError(f"{len(self._pending)} declared tensor(s) never written: {sorted(self._pending)[:10]}")
-        for fd, size in zip(self._fds, self._sizes):
-            os.ftruncate(fd, size)  # a no-op unless trailing tensors were empty
-            self._behind[fd].finish()
-            os.close(fd)
-        self._fds = []
+        for behind, size in self._shards:
+            os.ftruncate(behind.fd, size)  # a no-op unless trailing tensors were empty
+            behind.finish()
+            os.close(behind.fd)
+        self._shards = []
         if len(set(self.weight_map.values())) > 1:
             index = {"metadata": {"total_size": self.total_size}, "weight_map": dict(sorted(self.weight_map.items()))}
             write_json(self.out_dir / SAFETENSORS_INDEX, index)
 
     def abort(self) -> None:
-        for fd in self._fds:
-            os.close(fd)
-        self._fds = []
+        for behind, _ in self._shards:
+            os.close(behind.fd)
+        self._shards = []
 
 
 _COPY_BLOCK = 64 * 2**20

@@ -18,8 +18,8 @@
    bucket buffers: on the host, packing into fresh memory costs a page fault per page, several times
    the copy itself. `close()` frees them. (On a GPU the caching allocator reuses freed buckets already.)
    Other data-parallel replicas have nothing to do. ``ipc``: every rank of every replica materialises
-   every bucket in its GPU's IPC buffer (TP gather, then the owning stage broadcasts the packed bucket to the other stages,
-   ``conversion.live.export_hf_buckets``), and global rank 0 ships the handles.
+   every bucket in its GPU's IPC buffer (TP gather, then the owning stage broadcasts the packed bucket to
+   the other stages, ``conversion.live.export_hf_buckets``), and global rank 0 ships the handles.
 
 With tied embeddings the LM head is sent as well, as ``lm_head.weight`` (a copy of the embedding in the
 same bucket): vLLM 0.32 on CPU computes logits from a copy of the LM head prepared at load time, and a

@@ -75,10 +75,6 @@ def free_port_block(span: int, lo: int = 20000) -> int:
     raise RuntimeError(f"no free block of {span} ports found in {lo}-{top}")
 
 
-def _free_port_base(num_nodes: int) -> int:
-    return free_port_block(10 + num_nodes * _PORTS_PER_NODE)
-
-
 def _ray_cli() -> str:
     path = Path(sys.executable).with_name("ray")
     if not path.exists():
@@ -138,7 +134,7 @@ class LocalRayCluster:
         return cmd
 
     def start(self) -> "LocalRayCluster":
-        self.port_base = _free_port_base(self.num_nodes)
+        self.port_base = free_port_block(10 + self.num_nodes * _PORTS_PER_NODE)
         # Short temp dirs: Ray's unix socket paths under them must stay below 107 bytes.
         self.temp_dirs = [tempfile.mkdtemp(prefix=f"rc{node}-", dir="/tmp") for node in range(self.num_nodes)]
         self.log_dir = Path(tempfile.mkdtemp(prefix="ray-cluster-logs-"))
