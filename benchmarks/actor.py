@@ -129,7 +129,7 @@ def main(argv=None) -> int:
     parser.add_argument("--init-hf", action="store_true", help="load the tiny HF checkpoint (default: random init)")
     args = parser.parse_args(argv)
 
-    from megatron_arpo.actor.local_ranks import run_distributed
+    from megatron_arpo.device.local_ranks import run_distributed
 
     bench = run_distributed(_bench_rank, args.world, args, timeout=3600)[0]
     lengths = bench["lengths"]

@@ -54,8 +54,8 @@ def build_synthetic(layers: int, out: Path, width: dict = QWQ_WIDTH):
     import torch
     import yaml
 
-    from conversion import mapping
-    from conversion.hf_io import SafetensorsShardWriter, TensorSpec, write_json
+    from megatron_arpo.hf import mapping
+    from megatron_arpo.hf.checkpoint_io import SafetensorsShardWriter, TensorSpec, write_json
     from megatron_arpo.model_config import hf_config_dict, model_config_from_dict
 
     cfg = model_config_from_dict(dict(width, name=f"synthetic-{layers}l", num_hidden_layers=layers))

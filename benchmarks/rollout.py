@@ -40,11 +40,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the scripted engine (tests/support)
 
 from megatron_arpo.rollout.group import RolloutGroup  # noqa: E402
 from megatron_arpo.rollout.protocol import TagProtocol  # noqa: E402
 from megatron_arpo.rollout.scheduler import RolloutOptions, RolloutPrompt, RolloutScheduler  # noqa: E402
-from megatron_arpo.rollout.scripted import CharCodec, ScriptedEngine, ScriptedStep  # noqa: E402
+from support.scripted import CharCodec, ScriptedEngine, ScriptedStep  # noqa: E402
 from megatron_arpo.tools.base import Tool, ToolExecutor, ToolResult  # noqa: E402
 
 CODEC = CharCodec()

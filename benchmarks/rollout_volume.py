@@ -173,7 +173,7 @@ def main(argv=None) -> int:
         parser.error("--n must be even and >= 2")
     from transformers import AutoTokenizer
 
-    from megatron_arpo.testing import tiny_checkpoint
+    from megatron_arpo.tiny.checkpoint import tiny_checkpoint
 
     ckpt = tiny_checkpoint("tiny-qwen3")
     tokenizer = AutoTokenizer.from_pretrained(str(ckpt))

@@ -62,7 +62,7 @@ def run_in_process(cfg, batches) -> dict:
 
     from megatron_arpo.actor.optimizer import settings_for_sft
     from megatron_arpo.actor.worker import MegatronActorWorker
-    from megatron_arpo.actor.local_ranks import find_free_port
+    from megatron_arpo.device.local_ranks import find_free_port
 
     torch.set_num_threads(os.cpu_count() or 1)
     start = time.perf_counter()

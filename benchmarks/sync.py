@@ -36,9 +36,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))  # the scripted engine (tests/support)
 
 from megatron_arpo.actor.worker import MegatronActorWorker  # noqa: E402
-from megatron_arpo.rollout.scripted import ScriptedEngine  # noqa: E402
+from support.scripted import ScriptedEngine  # noqa: E402
 
 
 class BenchWorker(MegatronActorWorker):
@@ -185,7 +186,7 @@ def train_runs(engine_tps, root: Path) -> dict:
     sys.path.insert(0, str(REPO / "tests" / "e2e"))
     from train_helpers import read_rows, train_command, train_env, write_task
 
-    from megatron_arpo.testing import tiny_checkpoint
+    from megatron_arpo.tiny.checkpoint import tiny_checkpoint
 
     hf_dir = tiny_checkpoint("tiny-qwen3")
     data = write_task(root)

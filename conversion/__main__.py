@@ -16,8 +16,8 @@ import signal
 import sys
 import threading
 
-from conversion.config_json import FieldChange
-from conversion.hf_io import parse_size
+from megatron_arpo.hf.config_json import FieldChange
+from megatron_arpo.hf.checkpoint_io import parse_size
 
 
 def _model_cfg(path):
@@ -39,7 +39,7 @@ def cmd_hf_to_megatron(args) -> int:
 
 def cmd_megatron_to_hf(args) -> int:
     from conversion.megatron_to_hf import convert_megatron_to_hf
-    from conversion.outdir import MARKER
+    from megatron_arpo.hf.outdir import MARKER
 
     out = convert_megatron_to_hf(args.megatron, args.out, tokenizer=args.tokenizer,
                                  max_shard_size=parse_size(args.max_shard_size),

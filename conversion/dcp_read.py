@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from conversion import dcp_pickles
-from conversion.hf_io import ELEMENT_SIZES, dtype_name
+from megatron_arpo.hf.checkpoint_io import ELEMENT_SIZES, dtype_name
 
 if TYPE_CHECKING:
     import torch

@@ -1,7 +1,7 @@
 """Writing a Megatron ``torch_dist`` checkpoint from our mapping tables, without megatron-core.
 
 What ``dist_checkpointing.save`` of a TP=1/PP=1 ``GPTModel`` (local layer spec) writes in megatron-core
-0.16.1, derived here from :func:`conversion.mapping.bind_table` instead of from a model (the test
+0.16.1, derived here from :func:`megatron_arpo.hf.mapping.bind_table` instead of from a model (the test
 ``tests/dist/test_conversion_dist_ckpt.py`` compares it, key by key, with what Megatron's
 ``sharded_state_dict()`` says):
 
@@ -50,8 +50,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from conversion import mapping
-from conversion.hf_io import ELEMENT_SIZES
+from megatron_arpo.hf import mapping
+from megatron_arpo.hf.checkpoint_io import ELEMENT_SIZES
 from conversion.megatron_to_hf import dist_key
 from conversion import torch_pickle as tp_pickle
 from conversion.torch_record import BLOCK, Segment, saved_object, write_tensor_record
@@ -61,7 +61,7 @@ from megatron_arpo.fsutil import WriteBehind
 if TYPE_CHECKING:
     import torch
 
-    from conversion.hf_io import HFCheckpointReader
+    from megatron_arpo.hf.checkpoint_io import HFCheckpointReader
 
 logger = logging.getLogger(__name__)
 
@@ -158,7 +158,7 @@ class ChunkResolver:
 
     @property
     def dtype(self) -> torch.dtype:  # torch only when a chunk is built
-        from conversion.hf_io import torch_dtype
+        from megatron_arpo.hf.checkpoint_io import torch_dtype
 
         return torch_dtype(self.dtype_name)
 

@@ -38,8 +38,8 @@ from typing import TYPE_CHECKING
 
 import yaml
 
-from conversion import mapping
-from conversion.hf_io import HFCheckpointReader, copy_tokenizer_files, dtype_name
+from megatron_arpo.hf import mapping
+from megatron_arpo.hf.checkpoint_io import HFCheckpointReader, copy_tokenizer_files, dtype_name
 from conversion.megatron_to_hf import (  # noqa: F401  (re-exported: the reading half)
     convert_megatron_to_hf, dist_key, find_model_config, resolve_checkpoint_dir)
 from megatron_arpo.model_config import ModelConfig, read_hf_config
@@ -66,8 +66,8 @@ def convert_hf_to_megatron(hf_dir: str | os.PathLike, out: str | os.PathLike, tp
                            model_cfg: ModelConfig | None = None, overwrite: bool = False,
                            dtype: torch.dtype | str | None = None) -> Path:
     """``hf-to-megatron``: validate, then write the checkpoint atomically (temp dir, rename)."""
-    from conversion.config_json import store_original_config
-    from conversion.outdir import atomic_output_dir, check_distinct_paths, check_output_dir, write_marker
+    from megatron_arpo.hf.config_json import store_original_config
+    from megatron_arpo.hf.outdir import atomic_output_dir, check_distinct_paths, check_output_dir, write_marker
     from megatron_arpo.model_config import model_config_from_hf
 
     check_distinct_paths(out, {"--hf": hf_dir})

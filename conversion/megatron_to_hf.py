@@ -3,7 +3,7 @@
 The reader is :class:`conversion.dcp_read.DistCheckpointReader` (torch.distributed.checkpoint files and
 our tables only: no process group, no megatron-core import, which alone costs several seconds per call,
 and no torch import either unless some tensor has to go through memory).
-Safetensors shards are planned up front (:class:`conversion.hf_io.SafetensorsShardWriter`), then every
+Safetensors shards are planned up front (:class:`megatron_arpo.hf.checkpoint_io.SafetensorsShardWriter`), then every
 rule of the table, in Megatron order, is written one of two ways:
 
 - as bytes (:func:`copy_rule_bytes`): every reverse transform of the tables is a permutation of row blocks
@@ -22,7 +22,7 @@ else ``DIR/model``; else, for a training run directory with ``latest_checkpointe
 own sharded keys (no prefix), as ``GPTModel.sharded_state_dict()`` makes.
 
 Output: safetensors shards (+ index), ``config.json`` carried over from the original
-(:mod:`conversion.config_json`), ``generation_config.json`` and tokenizer files, and ``conversion.json``:
+(:mod:`megatron_arpo.hf.config_json`), ``generation_config.json`` and tokenizer files, and ``conversion.json``:
 the report (source, dtype, config.json origin and every field changed) and the marker that lets a later
 ``--overwrite`` replace this directory.
 """
@@ -38,9 +38,9 @@ from typing import TYPE_CHECKING
 
 import yaml
 
-from conversion import mapping
+from megatron_arpo.hf import mapping
 from conversion.dcp_read import MEGATRON_METADATA, DistCheckpointReader, check_megatron_metadata
-from conversion.hf_io import ELEMENT_SIZES, TensorSpec, copy_tokenizer_files, dtype_name, write_json
+from megatron_arpo.hf.checkpoint_io import ELEMENT_SIZES, TensorSpec, copy_tokenizer_files, dtype_name, write_json
 from megatron_arpo.model_config import ModelConfig, model_config_from_dict
 
 if TYPE_CHECKING:
@@ -170,9 +170,9 @@ def convert_megatron_to_hf(megatron_dir: str | os.PathLike, out: str | os.PathLi
                            model_cfg: ModelConfig | None = None, overwrite: bool = False,
                            byte_copy: bool = True) -> Path:
     """Write the HF checkpoint; its ``conversion.json`` is the report (see the module docstring)."""
-    from conversion.config_json import write_config_json
-    from conversion.hf_io import SafetensorsShardWriter
-    from conversion.outdir import atomic_output_dir, check_distinct_paths, check_output_dir, write_marker
+    from megatron_arpo.hf.config_json import write_config_json
+    from megatron_arpo.hf.checkpoint_io import SafetensorsShardWriter
+    from megatron_arpo.hf.outdir import atomic_output_dir, check_distinct_paths, check_output_dir, write_marker
 
     ckpt = resolve_checkpoint_dir(megatron_dir)
     check_distinct_paths(out, {"--megatron": ckpt, "--tokenizer": tokenizer})

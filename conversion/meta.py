@@ -44,7 +44,7 @@ def build_meta_gpt_model(cfg: ModelConfig, tp: int, pp: int, padded_vocab: int |
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
-    from megatron_arpo.actor.cpu_compat import apply_cpu_compat
+    from megatron_arpo.device.cpu_compat import apply_cpu_compat
     from megatron_arpo.actor.model_builder import build_transformer_config, get_layer_spec
 
     apply_cpu_compat()

@@ -1,13 +1,13 @@
 """Numerical checks shared by ``verify`` and the dist tests: Megatron vs HF logits, export round trip.
 
 :func:`parity_worker` runs on every rank of a gloo group of size ``tp * pp`` (spawned by
-``megatron_arpo.actor.local_ranks.run_distributed``): it builds the Megatron model for its rank in fp32, loads
-the HF checkpoint through :func:`conversion.live.load_hf_into_megatron` (or a Megatron distributed
+``megatron_arpo.device.local_ranks.run_distributed``): it builds the Megatron model for its rank in fp32, loads
+the HF checkpoint through :func:`megatron_arpo.actor.hf_live.load_hf_into_megatron` (or a Megatron distributed
 checkpoint through Megatron's own ``dist_checkpointing.load`` when ``megatron_dir`` is given), runs a
 forward pass on fixed tokens (pipeline stages handed over with plain send/recv) and compares
 
 - the logits with HF transformers' on the same tokens (max abs difference over the real vocabulary), and
-- every tensor of :func:`conversion.live.export_hf_weights`, exported in the checkpoint's own dtype, with
+- every tensor of :func:`megatron_arpo.actor.hf_live.export_hf_weights`, exported in the checkpoint's own dtype, with
   the original safetensors, bit for bit.
 """
 
@@ -76,8 +76,8 @@ def parity_worker(rank: int, world_size: int, hf_dir: str, model_config: str | N
                   tokens: torch.Tensor, megatron_dir: str | None = None) -> dict[str, Any]:
     from megatron.core import parallel_state as ps
 
-    from conversion import live
-    from conversion.hf_io import HFCheckpointReader
+    from megatron_arpo.actor import hf_live as live
+    from megatron_arpo.hf.checkpoint_io import HFCheckpointReader
     from megatron_arpo.actor.model_builder import build_gpt_model, initialize_model_parallel
     from megatron_arpo.model_config import load_model_config, model_config_from_hf, read_hf_config
 

@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from conversion import mapping
+from megatron_arpo.hf import mapping
 from megatron_arpo.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ def plan_rank(cfg: ModelConfig, tp: int, pp: int, rank: int) -> dict:
 
 def run_plan(cfg: ModelConfig, tp: int, pp: int, emit: Callable[[str], None]) -> bool:
     """Check every rank's shapes; the report lines go to ``emit`` (the CLI passes ``print``)."""
-    from conversion.hf_io import torch_dtype
+    from megatron_arpo.hf.checkpoint_io import torch_dtype
 
     mapping.check_layout(cfg, tp, pp, "plan")
     element = torch.empty((), dtype=torch_dtype(cfg.torch_dtype)).element_size()

@@ -27,7 +27,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Iterable
 
-from conversion.hf_io import ELEMENT_SIZES
+from megatron_arpo.hf.checkpoint_io import ELEMENT_SIZES
 from conversion.torch_pickle import data_pickle  # noqa: F401  (re-exported: a record's pickle)
 from megatron_arpo.fsutil import WriteBehind
 

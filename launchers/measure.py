@@ -1,7 +1,7 @@
 """``megatron-arpo plan --measure``: the actor's memory measured, not estimated, next to the formula.
 
 For each pipeline stage asked for (by default the one the formula says is the worst), a fresh process
-runs ``python -m megatron_arpo.actor.memory_probe``: that stage of the experiment's layout, built as the
+runs ``python -m megatron_arpo.fake_cuda.memory_probe``: that stage of the experiment's layout, built as the
 actor builds it, runs one PPO optimizer step over a full micro-batch on fake CUDA devices at real shapes,
 under torch's MemTracker (see that module for what is measured and how it differs from a GPU run). A
 process per stage: the fake-CUDA harness changes process-wide torch state, and the planner's process
@@ -55,7 +55,7 @@ def run_probe(cfg: Mapping[str, Any], stage: int, timeout: float = PROBE_TIMEOUT
     with tempfile.TemporaryDirectory(prefix="plan-measure-") as tmp:
         spec = Path(tmp) / "spec.json"
         spec.write_text(json.dumps({"config": cfg, "stage": stage}))
-        proc = subprocess.run([sys.executable, "-m", "megatron_arpo.actor.memory_probe", str(spec)],
+        proc = subprocess.run([sys.executable, "-m", "megatron_arpo.fake_cuda.memory_probe", str(spec)],
                               capture_output=True, text=True, timeout=timeout)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("MEASURED ")]
     if proc.returncode != 0 or not lines:

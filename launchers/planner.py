@@ -14,7 +14,7 @@ Actor memory per GPU (bytes per parameter, Megatron's distributed-optimizer tabl
 - fp32 main params + Adam m + v = 12 B, divided by DP with the distributed optimizer.
 ``megatron-arpo plan --measure`` (``launchers.measure``) measures all of this exactly.
 
-Activations are calibrated against that measurement (``megatron_arpo.actor.memory_probe``: one stage
+Activations are calibrated against that measurement (``megatron_arpo.fake_cuda.memory_probe``: one stage
 at real shapes on fake CUDA under torch's MemTracker; the calibration runs are in benchmarks/RESULTS.md).
 For T tokens of a packed micro-batch, bf16 (2 B), TP t, sequence-parallel factor s (t with SP, else 1),
 q = heads*head_dim, kv = kv_heads*head_dim, f = intermediate_size, one layer keeps for its backward:

@@ -5,6 +5,7 @@ claim most of the RAM for KV cache (vLLM's CPU default) and nothing tries to rea
 """
 
 import os
+from pathlib import Path
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -15,6 +16,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# tests/support (the scripted engine, the local Slurm cluster) imports as ``support`` here and in children.
+_TESTS = str(Path(__file__).resolve().parent)
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_TESTS, os.environ.get("PYTHONPATH")) if p)
 
 
 # The real-vocabulary tiny checkpoints (the Qwen BPE tokenizer, megatron_arpo/tiny/qwen_tokenizer.py):
@@ -24,14 +28,14 @@ import pytest  # noqa: E402
 
 @pytest.fixture(scope="session")
 def qwen3_checkpoint():
-    from megatron_arpo.testing import tiny_checkpoint
+    from megatron_arpo.tiny.checkpoint import tiny_checkpoint
 
     return tiny_checkpoint("tiny-qwen3-qwen-vocab", tokenizer="qwen3")
 
 
 @pytest.fixture(scope="session")
 def qwq_checkpoint():
-    from megatron_arpo.testing import tiny_checkpoint
+    from megatron_arpo.tiny.checkpoint import tiny_checkpoint
 
     return tiny_checkpoint("tiny-qwq-qwen-vocab", tokenizer="qwq")
 

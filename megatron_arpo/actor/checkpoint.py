@@ -200,7 +200,7 @@ def publish_checkpoint(root: str | os.PathLike, step: int, state: dict, *, model
     _write_file(tmp / "state.json", json.dumps(state, indent=2, sort_keys=True) + "\n")
     _write_file(tmp / "model_config.yaml", yaml.safe_dump(model_cfg.to_dict(), sort_keys=False))
     if tokenizer_dir is not None:
-        from conversion.hf_io import copy_tokenizer_files
+        from megatron_arpo.hf.checkpoint_io import copy_tokenizer_files
 
         extra = tmp / "model" / "hf_extra"
         extra.mkdir(exist_ok=True)

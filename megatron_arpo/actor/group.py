@@ -19,7 +19,7 @@ Every call is collective over the whole group:
   (padding fraction, tokens/s) becomes the replica mean.
 - ``save``/``load`` return rank 0's answer.
 - ``sync_weights(engines)``: the weights go from the actor ranks straight into the engines; this object
-  only coordinates (``megatron_arpo.rollout.weight_sync``): it opens the transfer once, then per sync
+  only coordinates (``megatron_arpo.weight_sync.protocol``): it opens the transfer once, then per sync
   starts the engines' update, lets every rank stream its share (each pipeline stage's sender its own
   layers), finishes the update (the engines check the load) and drops the prefix caches. No weight
   byte passes through the driver; the report counts what did (``driver_bytes``, ``driver_weight_bytes``).
@@ -200,7 +200,7 @@ class ActorGroup:
         ``verify`` (default ``rollout.verify_sync``) checksums a sample of the tensors on both sides. Raises
         `WeightSyncError` (one line naming the engine) when an engine dies or fails, or a check fails.
         """
-        from megatron_arpo.rollout import weight_sync as ws
+        from megatron_arpo.weight_sync import protocol as ws
 
         r = self.cfg.rollout
         timeout = self.timeouts.sync_s if timeout is None else timeout
@@ -233,7 +233,7 @@ class ActorGroup:
 
     def _open_sync(self, refs: list, timeout: float) -> None:
         """Form the transfer group: the stage senders' endpoints, the engines' rank offsets, both sides joining."""
-        from megatron_arpo.rollout import weight_sync as ws
+        from megatron_arpo.weight_sync import protocol as ws
 
         self.close_sync()
         transport = ws.choose_transport(self.cfg.rollout.sync_transport, self.cfg.launcher.gpus_per_node > 0,
@@ -265,7 +265,7 @@ class ActorGroup:
     def _sender_result(pending: Any) -> list:
         """A sender's WeightSyncError (e.g. an engine died mid-sync) surfaces as itself, in one line."""
         from megatron_arpo.cluster.worker_group import WorkerGroupError
-        from megatron_arpo.rollout.weight_sync import WeightSyncError
+        from megatron_arpo.weight_sync.protocol import WeightSyncError
 
         try:
             return pending.result()
@@ -277,10 +277,10 @@ class ActorGroup:
 
     def _check_complete(self, report: dict, engine_reports: Sequence[dict]) -> None:
         """Every HF tensor of the model was sent once, and every engine loaded all of them."""
-        from conversion.mapping import bind_table
+        from megatron_arpo.hf.mapping import bind_table
         from megatron_arpo.actor.sync_sender import TIED_HEAD_ALIASES
         from megatron_arpo.config import resolved_model
-        from megatron_arpo.rollout.weight_sync import WeightSyncError
+        from megatron_arpo.weight_sync.protocol import WeightSyncError
 
         model_cfg = resolved_model(self.cfg)
         expected = sum(len(rule.hf_outputs) for rule in bind_table(model_cfg))

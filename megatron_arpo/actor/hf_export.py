@@ -1,7 +1,7 @@
 """Write the live actor's weights as a Hugging Face checkpoint (for rollout engines, SFT output, save-time export).
 
-Every rank of data-parallel replica 0 iterates ``conversion.live.export_hf_weights`` (TP gather, PP walk);
-global rank 0 streams each tensor into pre-declared safetensors shards (``conversion.hf_io``), then writes
+Every rank of data-parallel replica 0 iterates ``megatron_arpo.actor.hf_live.export_hf_weights`` (TP gather, PP walk);
+global rank 0 streams each tensor into pre-declared safetensors shards (``megatron_arpo.hf.checkpoint_io``), then writes
 ``config.json`` (from the model config), ``generation_config.json`` and the tokenizer files of the source
 checkpoint. The directory appears atomically (temporary sibling, rename). Other DP replicas only wait at
 the final barrier.
@@ -23,8 +23,8 @@ MAX_SHARD_BYTES = 5 * 10**9
 
 
 def hf_tensor_specs(model_cfg, dtype: torch.dtype) -> list:
-    from conversion import mapping
-    from conversion.hf_io import TensorSpec
+    from megatron_arpo.hf import mapping
+    from megatron_arpo.hf.checkpoint_io import TensorSpec
 
     specs = []
     for rule in mapping.bind_table(model_cfg):
@@ -36,7 +36,7 @@ def hf_tensor_specs(model_cfg, dtype: torch.dtype) -> list:
 def write_hf_checkpoint(worker, out_dir: str | os.PathLike, *, bucket_bytes: int = 256 * 2**20,
                         max_shard_bytes: int = MAX_SHARD_BYTES, overwrite: bool = True) -> Path | None:
     """Collective over all ranks of ``worker``'s group; returns the directory on global rank 0."""
-    from conversion.hf_io import SafetensorsShardWriter, atomic_output_dir, copy_tokenizer_files, write_json
+    from megatron_arpo.hf.checkpoint_io import SafetensorsShardWriter, atomic_output_dir, copy_tokenizer_files, write_json
     from megatron_arpo.model_config import hf_config_dict
 
     out = Path(out_dir)

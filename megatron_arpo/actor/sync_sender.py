@@ -7,10 +7,10 @@
    replica 0, tensor-parallel rank 0 — reserves an endpoint on its node and returns it; the driver hands
    the endpoints to the engines.
 2. ``open(engines, world_size)`` (once, while the engines join): the stage senders join their group as
-   rank 0 (`megatron_arpo.rollout.weight_sender`).
+   rank 0 (`megatron_arpo.weight_sync.senders`).
 3. ``send(sync_id, ...)`` (every sync). ``gloo``/``nccl``: stage after stage (the engines take one sender
    at a time; two stages sending to the same engines at once could deadlock their broadcasts), the stage's
-   TP ranks gather each bucket's shards on the sender (``conversion.live.stage_hf_buckets``: mapped through
+   TP ranks gather each bucket's shards on the sender (``megatron_arpo.actor.hf_live.stage_hf_buckets``: mapped through
    the conversion tables into one packed buffer), which sends it. With gloo (host memory) the sender
    packs into two buffers (`BufferPool`: bucket k travels from one while k+1 is packed into the other;
    a much larger bucket waits for the other one instead of growing the free one, so the two hold about
@@ -19,7 +19,7 @@
    the copy itself. `close()` frees them. (On a GPU the caching allocator reuses freed buckets already.)
    Other data-parallel replicas have nothing to do. ``ipc``: every rank of every replica materialises
    every bucket in its GPU's IPC buffer (TP gather, then the owning stage broadcasts the packed bucket to
-   the other stages, ``conversion.live.export_hf_buckets``), and global rank 0 ships the handles.
+   the other stages, ``megatron_arpo.actor.hf_live.export_hf_buckets``), and global rank 0 ships the handles.
 
 With tied embeddings the LM head is sent as well, as ``lm_head.weight`` (a copy of the embedding in the
 same bucket): vLLM 0.32 on CPU computes logits from a copy of the LM head prepared at load time, and a
@@ -34,7 +34,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_arpo.rollout.weight_sync import BufferPool
+from megatron_arpo.weight_sync.protocol import BufferPool
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class ActorSync:
 
     def reserve(self, transport: str) -> Optional[tuple[int, tuple[str, int]]]:
         """``(pipeline stage, (host, port))`` on the stage senders of gloo/nccl; None elsewhere."""
-        from megatron_arpo.rollout.weight_sender import reserve_endpoint
+        from megatron_arpo.weight_sync.senders import reserve_endpoint
 
         self.close()
         self.transport = transport
@@ -75,7 +75,7 @@ class ActorSync:
         return self.worker.pp_rank, self._endpoint[0]
 
     def open(self, engines: Sequence[Any], world_size: int, timeout_s: float) -> None:
-        from megatron_arpo.rollout.weight_sender import make_sender
+        from megatron_arpo.weight_sync.senders import make_sender
 
         if self.transport is None:
             raise RuntimeError("ActorSync.reserve(transport) must run before open()")
@@ -123,7 +123,7 @@ class ActorSync:
         """
         from megatron.core import parallel_state
 
-        from conversion.live import stage_hf_buckets
+        from megatron_arpo.actor.hf_live import stage_hf_buckets
 
         w = self.worker
         failure: Optional[BaseException] = None
@@ -161,7 +161,7 @@ class ActorSync:
         return failure, report
 
     def _send_ipc(self, sync_id: int, bucket_bytes: int, verify_fraction: float) -> dict:
-        from conversion.live import export_hf_buckets, max_bucket_bytes
+        from megatron_arpo.actor.hf_live import export_hf_buckets, max_bucket_bytes
 
         w = self.worker
         size = max_bucket_bytes(w.model_cfg, w.pp, w.params_dtype, bucket_bytes, self.aliases)

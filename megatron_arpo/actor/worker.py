@@ -71,7 +71,7 @@ class MegatronActorWorker:
                  timeout_s: float = 1800.0):
         if role not in ROLES:
             raise ValueError(f"role {role!r} is not supported; allowed: {ROLES}")
-        from megatron_arpo.actor.cpu_compat import apply_cpu_compat
+        from megatron_arpo.device.cpu_compat import apply_cpu_compat
         from megatron_arpo.actor.model_builder import initialize_model_parallel
 
         self.cfg, self.role = cfg, role
@@ -130,7 +130,7 @@ class MegatronActorWorker:
         from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
                                                finalize_model_grads)
 
-        from conversion.live import load_hf_into_megatron
+        from megatron_arpo.actor.hf_live import load_hf_into_megatron
         from megatron_arpo.actor import model_builder
         from megatron_arpo.actor.optimizer import build_optimizer, settings_from_actor
 
@@ -186,7 +186,7 @@ class MegatronActorWorker:
     @staticmethod
     def _compat() -> None:
         # The CPU compat mode is per thread; a threaded actor may call from another thread.
-        from megatron_arpo.actor.cpu_compat import apply_cpu_compat
+        from megatron_arpo.device.cpu_compat import apply_cpu_compat
 
         apply_cpu_compat()
 
@@ -497,10 +497,10 @@ class MegatronActorWorker:
     def iter_weight_buckets(self, bucket_bytes: int = DEFAULT_EXPORT_BUCKET_BYTES) -> Iterator[list]:
         """Buckets of ``(hf_name, full tensor)`` (collective over this DP replica's TP x PP ranks).
 
-        The tensors are views of one packed buffer per bucket (``conversion.live.export_hf_buckets``), valid
+        The tensors are views of one packed buffer per bucket (``megatron_arpo.actor.hf_live.export_hf_buckets``), valid
         until the next bucket. Nothing is cached between calls.
         """
-        from conversion.live import export_hf_buckets
+        from megatron_arpo.actor.hf_live import export_hf_buckets
 
         for _, named in export_hf_buckets(self.model, self.model_cfg, bucket_bytes):
             yield named

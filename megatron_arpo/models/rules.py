@@ -27,7 +27,7 @@ The typed transforms:
 
 Pure Python: no Megatron import, and torch only inside the functions that build tensors (the byte-copy
 ``megatron-to-hf`` path needs the tables, not tensors). Binding a table to a model's layers and the
-converters' machinery live in :mod:`conversion.mapping`.
+converters' machinery live in :mod:`megatron_arpo.hf.mapping`.
 """
 
 from __future__ import annotations

@@ -16,11 +16,11 @@ All calls into vLLM run on one dedicated thread (``_engine_thread``): ``LLMEngin
 duration of a forward pass and vLLM's in-process engine is not thread-safe, so steps, weight loads,
 cache resets and metric reads are serialised there while the event loop stays free for tool calls.
 
-Weights arrive through vLLM's weight-transfer API (megatron_arpo.rollout.weight_sync: the actor ranks
+Weights arrive through vLLM's weight-transfer API (megatron_arpo.weight_sync.protocol: the actor ranks
 send, the engines receive, the driver coordinates): ``init_weight_transfer_engine`` once, then per sync
 ``start_weight_update``, one ``update_weights`` per bucket (called by the sending actor rank),
 ``finish_weight_update`` (returns the workers' load reports) and ``reset_prefix_cache``. The workers'
-receiver is the backend named by ``EngineConfig.weight_transfer`` (megatron_arpo.rollout.weight_receiver).
+receiver is the backend named by ``EngineConfig.weight_transfer`` (megatron_arpo.weight_sync.receivers).
 Between start and finish the model is a mix of old and new weights: ``generate`` refuses to run then.
 
 Sleep (colocated placement, ``megatron_arpo.trainer.phases``): ``sleep(level)`` releases the KV cache and
@@ -245,8 +245,8 @@ class VllmEngine:
         if backend is not None:
             kwargs["distributed_executor_backend"] = backend
         if cfg.weight_transfer is not None:
-            from megatron_arpo.rollout.vllm_plugin import register_weight_transfer_engines
-            from megatron_arpo.rollout.weight_sync import BACKENDS
+            from megatron_arpo.weight_sync.vllm_plugin import register_weight_transfer_engines
+            from megatron_arpo.weight_sync.protocol import BACKENDS
 
             if cfg.weight_transfer not in BACKENDS:
                 raise ValueError(f"weight_transfer={cfg.weight_transfer!r}; allowed: {sorted(BACKENDS)}")
@@ -520,7 +520,7 @@ class VllmEngine:
         ``loaded``: distinct tensors every worker loaded; ``verified``: names checked after the load on every
         worker that holds them whole (a name sharded across TP workers is checked by none).
         """
-        from megatron_arpo.rollout.weight_receiver import worker_sync_report
+        from megatron_arpo.weight_sync.receivers import worker_sync_report
 
         await self._on_engine_thread(self._llm.finish_weight_update)
         reports = await self._on_engine_thread(lambda: self._llm.collective_rpc(worker_sync_report))
@@ -547,7 +547,7 @@ class VllmEngine:
         With tensor parallelism every worker answers for its shard; only names every worker holds
         whole are reported (others None).
         """
-        from megatron_arpo.rollout.weight_receiver import worker_param_checksums
+        from megatron_arpo.weight_sync.receivers import worker_param_checksums
 
         per_worker = await self._on_engine_thread(
             lambda: self._llm.collective_rpc(worker_param_checksums, args=(dict(expected_shapes),)))

@@ -322,7 +322,7 @@ def start_runtime(cfg: Any, resume: str, replay_dir: Optional[str] = None) -> Ru
     from megatron_arpo.rollout.group import RolloutGroup
     from megatron_arpo.data.chat import load_chat_format
     from megatron_arpo.rollout.scheduler import RolloutOptions, RolloutScheduler
-    from megatron_arpo.rollout.weight_sync import choose_transport
+    from megatron_arpo.weight_sync.protocol import choose_transport
     from megatron_arpo.trainer import checkpointing
 
     cfg = with_absolute_paths(cfg)

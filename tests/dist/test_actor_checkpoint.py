@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from megatron_arpo.actor.checkpoint import COMPLETE, latest_checkpoint, prune_checkpoints
-from megatron_arpo.testing.dist import run_distributed
-from megatron_arpo.testing.tiny import tiny_checkpoint
+from megatron_arpo.device.local_ranks import run_distributed
+from megatron_arpo.tiny.checkpoint import tiny_checkpoint
 
 pytestmark = pytest.mark.slow
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_arpo.testing.dist import run_distributed
-from megatron_arpo.testing.tiny import tiny_checkpoint
+from megatron_arpo.device.local_ranks import run_distributed
+from megatron_arpo.tiny.checkpoint import tiny_checkpoint
 
 pytestmark = pytest.mark.slow
 

@@ -15,8 +15,8 @@ import math
 import pytest
 import torch
 
-from megatron_arpo.testing.dist import run_distributed
-from megatron_arpo.testing.tiny import tiny_checkpoint
+from megatron_arpo.device.local_ranks import run_distributed
+from megatron_arpo.tiny.checkpoint import tiny_checkpoint
 from test_actor_parallel import ADVANTAGES, GROUPS, actor_config, hf_reference, make_sequences
 
 pytestmark = pytest.mark.slow

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megatron_arpo.testing.tiny import tiny_checkpoint
+from megatron_arpo.tiny.checkpoint import tiny_checkpoint
 
 pytestmark = pytest.mark.slow
 

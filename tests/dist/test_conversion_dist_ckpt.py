@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from conversion.parity import parity_worker
-from megatron_arpo.testing.dist import run_distributed
-from megatron_arpo.testing.tiny import tiny_checkpoint
+from megatron_arpo.device.local_ranks import run_distributed
+from megatron_arpo.tiny.checkpoint import tiny_checkpoint
 
 TOKENS = torch.tensor([[1, 5, 17, 300, 999, 42, 7, 8], [3, 4, 900, 12, 13, 14, 15, 16]])
 
@@ -40,7 +40,7 @@ def save_with_megatron(rank, world_size, hf_dir, name, tp, pp, out):
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
-    from conversion import live
+    from megatron_arpo.actor import hf_live as live
     from megatron_arpo.actor.model_builder import build_gpt_model, initialize_model_parallel
     from megatron_arpo.model_config import load_model_config
 
@@ -144,7 +144,7 @@ def load_and_compare(rank, world_size, hf_dir, name, tp, pp, megatron_dir, dtype
     """Load the converted checkpoint with the actor's loader; compare every parameter with the in-memory loader."""
     from megatron.core import parallel_state as ps
 
-    from conversion import live
+    from megatron_arpo.actor import hf_live as live
     from megatron_arpo.actor.checkpoint import load_checkpoint
     from megatron_arpo.actor.model_builder import build_gpt_model, initialize_model_parallel
     from megatron_arpo.model_config import load_model_config
@@ -184,7 +184,7 @@ def test_actor_load_is_bit_identical_to_the_in_memory_loader(tmp_path, name, tp,
 def test_round_trip_is_bit_exact(tmp_path):
     """hf-to-megatron then megatron-to-hf gives the original tensors bit for bit (bf16 written from fp32 too)."""
     from conversion.dist_ckpt import convert_hf_to_megatron, convert_megatron_to_hf
-    from conversion.hf_io import HFCheckpointReader
+    from megatron_arpo.hf.checkpoint_io import HFCheckpointReader
     from conversion.verify import compare_hf_dirs
 
     for name in MODELS:

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from conversion.parity import parity_worker
-from megatron_arpo.testing.dist import run_distributed
-from megatron_arpo.testing.tiny import tiny_checkpoint
+from megatron_arpo.device.local_ranks import run_distributed
+from megatron_arpo.tiny.checkpoint import tiny_checkpoint
 
 TOKENS = torch.tensor([[1, 5, 17, 300, 999, 42, 7, 8], [3, 4, 900, 12, 13, 14, 15, 16]])
 

@@ -17,7 +17,7 @@ import dataclasses
 import pytest
 import torch
 
-from conversion import mapping
+from megatron_arpo.hf import mapping
 
 TOKENS = torch.tensor([[1, 5, 17, 300, 999, 42, 7, 8], [3, 4, 900, 12, 13, 14, 15, 16]])
 TOLERANCE = 1e-4
@@ -115,7 +115,7 @@ def _caught(per_rank: list[dict]) -> bool:
 @pytest.mark.slow
 @pytest.mark.parametrize("name,model_type", [("tiny-qwen3", "qwen3"), ("tiny-qwq", "qwen2")])
 def test_every_mapping_fault_fails_parity(name, model_type):
-    from megatron_arpo.testing.dist import run_distributed
+    from megatron_arpo.device.local_ranks import run_distributed
     from megatron_arpo.tiny.checkpoint import tiny_checkpoint
 
     mutations = [label for label, (wanted, _) in MUTATIONS.items() if wanted in (None, model_type)]

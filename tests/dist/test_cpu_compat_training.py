@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_arpo.testing.dist import run_distributed
+from megatron_arpo.device.local_ranks import run_distributed
 
 SEQ_LEN = 32
 MICRO_BATCH = 2

@@ -17,10 +17,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conversion import mapping
+from megatron_arpo.hf import mapping
 from megatron_arpo.model_config import MODEL_CONFIG_DIR, hf_config_dict, load_model_config
 from megatron_arpo.models.registry import families, get_family
-from megatron_arpo.testing.dist import run_distributed
+from megatron_arpo.device.local_ranks import run_distributed
 
 
 def _tiny_configs() -> dict[str, str]:

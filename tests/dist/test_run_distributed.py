@@ -1,4 +1,4 @@
-"""megatron_arpo.testing.dist.run_distributed: results by rank, worker errors, timeouts."""
+"""megatron_arpo.device.local_ranks.run_distributed: results by rank, worker errors, timeouts."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from megatron_arpo.testing.dist import DistributedWorkerError, run_distributed
+from megatron_arpo.device.local_ranks import DistributedWorkerError, run_distributed
 
 
 def _all_reduce_rank(rank: int, world_size: int, scale: float, *, offset: float = 0.0) -> dict:

@@ -28,7 +28,7 @@ def test_two_rl_steps_on_tiny_llama(_ray_two_node_cluster, tmp_path):  # noqa: F
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from megatron_arpo.testing import tiny_checkpoint
+    from megatron_arpo.tiny.checkpoint import tiny_checkpoint
 
     hf_dir = tiny_checkpoint("tiny-llama")
     data = write_task(tmp_path)

@@ -49,7 +49,7 @@ def test_two_rl_steps_end_to_end(_ray_two_node_cluster, tmp_path):  # noqa: F811
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from megatron_arpo.actor.checkpoint import latest_checkpoint
-    from megatron_arpo.testing import tiny_checkpoint
+    from megatron_arpo.tiny.checkpoint import tiny_checkpoint
 
     hf_dir = tiny_checkpoint("tiny-qwen3")
     data = write_task(tmp_path)

@@ -35,7 +35,7 @@ def run(cmd, env, log, timeout=600):
 
 
 def test_replayed_step_equals_the_recorded_step(tmp_path):
-    from megatron_arpo.testing import tiny_checkpoint
+    from megatron_arpo.tiny.checkpoint import tiny_checkpoint
 
     hf_dir = str(tiny_checkpoint("tiny-qwen3"))
     data = write_task(tmp_path)

@@ -68,7 +68,7 @@ def start(cmd: list[str], env: dict, log: Path) -> subprocess.Popen:
 
 def test_kill9_resume_and_sigusr1_preemption(tmp_path):
     from megatron_arpo.actor.checkpoint import latest_checkpoint
-    from megatron_arpo.testing import tiny_checkpoint
+    from megatron_arpo.tiny.checkpoint import tiny_checkpoint
 
     data = write_task(tmp_path)
     run_dir = tmp_path / "run"
@@ -145,7 +145,7 @@ def test_kill9_resume_and_sigusr1_preemption(tmp_path):
 def test_a_tool_backend_that_is_down_stops_the_run_before_ray_starts(tmp_path):
     import socket
 
-    from megatron_arpo.testing import tiny_checkpoint
+    from megatron_arpo.tiny.checkpoint import tiny_checkpoint
 
     with socket.socket() as sock:  # a port nobody listens on
         sock.bind(("127.0.0.1", 0))

@@ -3,7 +3,7 @@
 SPEC: ``{"model", "tp", "pp", "dp", "ranks", "sequence_parallel", "recompute", "hf_dir", "work_dir"}``. The ranks run
 one after the other in this process; a later rank receives the object messages an earlier one sent
 (the last stage's metrics and export metadata reach the first stage). Each rank runs the actor
-worker's GPU paths under ``megatron_arpo.actor.fake_cuda``: init_model (HF weights),
+worker's GPU paths under ``megatron_arpo.fake_cuda.harness``: init_model (HF weights),
 compute_log_probs with entropy, a PPO update with AEPO entropy-aware advantages (its entropy pass)
 and the optimizer step, sft_step, checkpoint save and load, the weight export (the streamed buckets),
 the weight sync's send path (each stage's buckets gathered on its sender; a recorder in the transport's
@@ -60,7 +60,7 @@ def describe(tensor) -> dict:
 
 
 def run(spec: dict) -> dict:
-    from megatron_arpo.actor.fake_cuda import fake_cuda
+    from megatron_arpo.fake_cuda.harness import fake_cuda
 
     world = spec["tp"] * spec["pp"] * spec["dp"]
     peers = {k: [base64.b64decode(m) for m in v] for k, v in (spec.get("peer_messages") or {}).items()}
@@ -126,7 +126,7 @@ def run(spec: dict) -> dict:
         step("export", export)
 
         def send():  # the weight sync's send path: this stage's buckets, gathered on the sender, as they leave
-            from megatron_arpo.rollout.weight_sender import StageSender
+            from megatron_arpo.weight_sync.senders import StageSender
 
             class Recorder(StageSender):  # the transport's place: records what would go on the wire
                 sent: list = []
@@ -186,7 +186,7 @@ def run_ranks(spec: dict) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    from megatron_arpo.actor.fake_cuda import FakeCudaUnavailable, load_guard
+    from megatron_arpo.fake_cuda.harness import FakeCudaUnavailable, load_guard
 
     spec = json.loads(Path(argv[0]).read_text())
     try:

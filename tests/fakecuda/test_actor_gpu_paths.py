@@ -1,4 +1,4 @@
-"""The actor's GPU code paths, run on fake CUDA devices (megatron_arpo.actor.fake_cuda): tiny-qwen3
+"""The actor's GPU code paths, run on fake CUDA devices (megatron_arpo.fake_cuda.harness): tiny-qwen3
 (tied embeddings, q/k norm) and tiny-qwq (QKV bias, untied), first and last pipeline stage of
 TP=2 PP=2 DP=2, with and without sequence parallelism (with SP: selective and full recompute).
 
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_arpo.testing.tiny import tiny_checkpoint
+from megatron_arpo.tiny.checkpoint import tiny_checkpoint
 
 pytestmark = pytest.mark.slow
 

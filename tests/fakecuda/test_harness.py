@@ -66,12 +66,12 @@ def test_object_messages_recorded_by_one_rank_reach_another(child):
 
 def test_refuses_to_share_a_process_with_the_cpu_compat_layer(child):
     r = child["compat"]
-    assert "the CPU compat layer (megatron_arpo.actor.cpu_compat) is active in this process" in r["error"]
+    assert "the CPU compat layer (megatron_arpo.device.cpu_compat) is active in this process" in r["error"]
 
 
 def test_no_compiler_means_unavailable_with_the_reason(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-c", "from megatron_arpo.actor.fake_cuda import load_guard, FakeCudaUnavailable\n"
+        [sys.executable, "-c", "from megatron_arpo.fake_cuda.harness import load_guard, FakeCudaUnavailable\n"
          "try:\n    load_guard()\nexcept FakeCudaUnavailable as exc:\n    print('UNAVAILABLE', exc)\n"],
         capture_output=True, text=True, timeout=300,
         env={**os.environ, "CXX": "no-such-c++", "MEGATRON_ARPO_FAKE_CUDA_CACHE": str(tmp_path)})
@@ -150,7 +150,7 @@ def check_messages(fc):
 
 
 def check_compat(fc):
-    from megatron_arpo.actor import cpu_compat
+    from megatron_arpo.device import cpu_compat
 
     cpu_compat.apply_cpu_compat()
     try:
@@ -162,7 +162,7 @@ def check_compat(fc):
 
 
 if __name__ == "__main__":
-    from megatron_arpo.actor import fake_cuda
+    from megatron_arpo.fake_cuda import harness as fake_cuda
 
     try:
         fake_cuda.load_guard()

@@ -1,6 +1,6 @@
 """Pytest fixtures for the real local Slurm cluster and Ray port plans (import into test modules).
 
-``slurm_cluster`` (session scope) starts ``launchers.slurm_local.LocalSlurmCluster`` in
+``slurm_cluster`` (session scope) starts ``support.slurm_local.LocalSlurmCluster`` in
 ``<repo>/.slurm-local`` (git-ignored; a fixed place so a crashed run's daemons are found and stopped
 next time) and skips, with the reason, when Slurm is not installed or the user is not root.
 ``ray_ports`` picks a block of free ports for one Ray cluster so tests never collide with other Ray
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from launchers.slurm_local import LocalSlurmCluster, missing_requirements
+from support.slurm_local import LocalSlurmCluster, missing_requirements
 from ray_cluster import free_port_block
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -22,8 +22,8 @@ from ray import cloudpickle  # noqa: E402
 
 from megatron_arpo.actor.group import ActorGroup, mean_metrics  # noqa: E402
 from megatron_arpo.config import build_config  # noqa: E402
-from megatron_arpo.rollout.scripted import ScriptedEngine  # noqa: E402
-from megatron_arpo.rollout.weight_sync import WeightSyncError  # noqa: E402
+from support.scripted import ScriptedEngine  # noqa: E402
+from megatron_arpo.weight_sync.protocol import WeightSyncError  # noqa: E402
 from ray_cluster import ray_two_nodes, _ray_two_node_cluster  # noqa: E402,F401 (fixtures)
 
 pytestmark = pytest.mark.timeout(600)
@@ -172,7 +172,7 @@ def _hf_token_logprobs(hf_dir, seqs):
 def test_megatron_tp2_on_two_nodes_matches_hf(ray_two_nodes, tmp_path):
     from safetensors.torch import load_file
 
-    from megatron_arpo.testing import tiny_checkpoint
+    from megatron_arpo.tiny.checkpoint import tiny_checkpoint
 
     hf_dir = str(tiny_checkpoint("tiny-qwen3"))
     cfg = make_config(model={"config": "tiny-qwen3", "hf_checkpoint": hf_dir},

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from megatron_arpo.testing.tiny import tiny_checkpoint
+from megatron_arpo.tiny.checkpoint import tiny_checkpoint
 
 GENERATE = r"""
 import json, sys

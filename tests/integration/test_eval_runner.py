@@ -47,7 +47,7 @@ def make_scripted_generator():
     from megatron_arpo.rollout.group import RolloutGroup
     from megatron_arpo.rollout.protocol import TagProtocol
     from megatron_arpo.rollout.scheduler import RolloutScheduler
-    from megatron_arpo.rollout.scripted import CharCodec, ScriptedEngine, ScriptedStep
+    from support.scripted import CharCodec, ScriptedEngine, ScriptedStep
     from megatron_arpo.tools.registry import build_tools
 
     codec = CharCodec()
@@ -259,7 +259,7 @@ def test_judge_verdicts_and_down_fallback(tmp_path):
 @pytest.mark.slow
 def test_cli_tiny_model_real_engine(tmp_path, capsys):
     from evaluation.cli import main
-    from megatron_arpo.testing import tiny_checkpoint
+    from megatron_arpo.tiny.checkpoint import tiny_checkpoint
 
     ckpt = tiny_checkpoint("tiny-qwen3")
     out = tmp_path / "eval"
@@ -305,7 +305,7 @@ def test_cli_tiny_model_real_engine(tmp_path, capsys):
 
 def test_cli_bad_input_errors(tmp_path, capsys):
     from evaluation.cli import main
-    from megatron_arpo.testing import tiny_checkpoint
+    from megatron_arpo.tiny.checkpoint import tiny_checkpoint
 
     ckpt = tiny_checkpoint("tiny-qwen3")
     base = ["--data-dir", str(MINI), "--out", str(tmp_path / "o")]

@@ -21,8 +21,8 @@ from megatron_arpo.rollout.engine import EngineConfig, SegmentRequest, VllmEngin
 from megatron_arpo.rollout.group import RolloutGroup
 from megatron_arpo.rollout.protocol import TagProtocol
 from megatron_arpo.rollout.scheduler import RolloutOptions, RolloutPrompt, RolloutScheduler
-from megatron_arpo.rollout.weight_sender import LocalSync
-from megatron_arpo.testing import tiny_checkpoint
+from megatron_arpo.weight_sync.senders import LocalSync
+from megatron_arpo.tiny.checkpoint import tiny_checkpoint
 from megatron_arpo.tools.registry import build_tools
 
 pytestmark = pytest.mark.slow
@@ -218,7 +218,7 @@ def test_engine_starts_after_llvmlite_was_loaded(tmp_path):
     import sys
     import textwrap
 
-    from megatron_arpo.testing import tiny_checkpoint
+    from megatron_arpo.tiny.checkpoint import tiny_checkpoint
 
     script = textwrap.dedent(f"""
         import asyncio, bm25s, sys

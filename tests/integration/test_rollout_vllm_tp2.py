@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from megatron_arpo.rollout.engine import EngineConfig, SegmentRequest, VllmEngine
-from megatron_arpo.rollout.weight_sender import LocalSync
-from megatron_arpo.testing import tiny_checkpoint
+from megatron_arpo.weight_sync.senders import LocalSync
+from megatron_arpo.tiny.checkpoint import tiny_checkpoint
 
 pytestmark = pytest.mark.slow
 

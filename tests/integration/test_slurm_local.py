@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from launchers.slurm_local import LocalSlurmCluster, _pid_alive, missing_requirements
+from support.slurm_local import LocalSlurmCluster, _pid_alive, missing_requirements
 
 pytestmark = pytest.mark.timeout(120)
 

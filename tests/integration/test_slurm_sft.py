@@ -29,7 +29,7 @@ def _conversation(i: int) -> dict:
 
 
 def test_sft_at_tp2_pp2_across_two_slurm_nodes_through_launch_slurm(slurm_cluster, tmp_path):
-    from megatron_arpo.testing import tiny_checkpoint
+    from megatron_arpo.tiny.checkpoint import tiny_checkpoint
 
     data = tmp_path / "sft.jsonl"
     data.write_text("".join(json.dumps(_conversation(i)) + "\n" for i in range(8)))

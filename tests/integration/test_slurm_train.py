@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 def test_two_node_job_runs_a_training_step_with_ranks_on_both_nodes(slurm_cluster, ray_ports, tmp_path):
-    from megatron_arpo.testing import tiny_checkpoint
+    from megatron_arpo.tiny.checkpoint import tiny_checkpoint
 
     hf_dir = tiny_checkpoint("tiny-qwen3")
     data = write_task(tmp_path)
@@ -55,7 +55,7 @@ def test_preempted_training_job_checkpoints_requeues_and_resumes(slurm_cluster, 
     import time
 
     from launchers.options import PREEMPT_EXIT_CODE
-    from megatron_arpo.testing import tiny_checkpoint
+    from megatron_arpo.tiny.checkpoint import tiny_checkpoint
     from test_slurm_preemption import _wait_requeued
 
     hf_dir = tiny_checkpoint("tiny-qwen3")

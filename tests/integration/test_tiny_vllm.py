@@ -25,7 +25,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from megatron_arpo.model_config import load_model_config  # noqa: E402
-from megatron_arpo.testing import tiny_checkpoint  # noqa: E402
+from megatron_arpo.tiny.checkpoint import tiny_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

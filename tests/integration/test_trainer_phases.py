@@ -96,7 +96,7 @@ def make_config(sleep: bool, offload: bool):
 def parts(ray_single_node, tmp_path_factory):  # noqa: F811
     from megatron_arpo.actor.group import ActorGroup
     from megatron_arpo.rollout.engine import EngineConfig, create_engine_actor
-    from megatron_arpo.testing import tiny_checkpoint
+    from megatron_arpo.tiny.checkpoint import tiny_checkpoint
 
     hf_dir = str(tiny_checkpoint("tiny-qwen3"))
     cfg = make_config(sleep=True, offload=True)

@@ -11,7 +11,7 @@ from typing import Callable, Optional
 from megatron_arpo.rollout.group import RolloutGroup
 from megatron_arpo.rollout.protocol import TagProtocol
 from megatron_arpo.rollout.scheduler import RolloutOptions, RolloutScheduler
-from megatron_arpo.rollout.scripted import CharCodec, ScriptedEngine, ScriptedStep
+from support.scripted import CharCodec, ScriptedEngine, ScriptedStep
 from megatron_arpo.tools.base import Tool, ToolExecutor, ToolResult
 
 CODEC = CharCodec()

@@ -82,7 +82,7 @@ def sft_file(name: str, content: bytes, command: str = "validate") -> Callable[[
         cfg = _base(d, sft={"train_files": [str(d / name)]})
         if command == "validate":
             return ["config", "validate", "--config", _write(d, cfg), "--paths", "sft"]
-        from megatron_arpo.testing import tiny_checkpoint
+        from megatron_arpo.tiny.checkpoint import tiny_checkpoint
 
         cfg["model"]["hf_checkpoint"] = str(tiny_checkpoint("tiny-qwen3"))
         return ["sft", "--config", _write(d, cfg)]
@@ -91,7 +91,7 @@ def sft_file(name: str, content: bytes, command: str = "validate") -> Callable[[
 
 def train(make_cfg: Callable[[Path], dict], *extra: str) -> Callable[[Path], list[str]]:
     def make(d: Path) -> list[str]:
-        from megatron_arpo.testing import tiny_checkpoint
+        from megatron_arpo.tiny.checkpoint import tiny_checkpoint
 
         cfg = make_cfg(d)
         cfg["model"]["hf_checkpoint"] = str(tiny_checkpoint("tiny-qwen3"))

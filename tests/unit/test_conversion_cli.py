@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conversion.verify import compare_hf_dirs
-from megatron_arpo.testing.tiny import tiny_checkpoint
+from megatron_arpo.tiny.checkpoint import tiny_checkpoint
 
 
 def run_cli(*args, check=True):

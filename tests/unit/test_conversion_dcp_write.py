@@ -106,7 +106,7 @@ def test_converted_chunks_are_byte_copies_the_reader_finds(tmp_path, caplog):
     import json
 
     from conversion.dist_ckpt import convert_hf_to_megatron
-    from megatron_arpo.testing.tiny import tiny_checkpoint
+    from megatron_arpo.tiny.checkpoint import tiny_checkpoint
 
     with caplog.at_level("INFO", logger="conversion.dcp_write"):
         out = convert_hf_to_megatron(tiny_checkpoint("tiny-qwen2.5"), tmp_path / "mg", tp=2)

@@ -9,11 +9,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conversion.hf_io import HFCheckpointReader
-from conversion.live import validate_hf_checkpoint
+from megatron_arpo.hf.checkpoint_io import HFCheckpointReader
+from megatron_arpo.actor.hf_live import validate_hf_checkpoint
 from megatron_arpo.model_config import load_model_config
 from megatron_arpo.models.registry import families
-from megatron_arpo.testing.tiny import tiny_checkpoint
+from megatron_arpo.tiny.checkpoint import tiny_checkpoint
 
 
 @pytest.fixture

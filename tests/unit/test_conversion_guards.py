@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from conversion.verify import compare_hf_dirs
-from megatron_arpo.testing.real_shaped import build_real_shaped_checkpoint
-from megatron_arpo.testing.tiny import tiny_checkpoint
+from support.real_shaped import build_real_shaped_checkpoint
+from megatron_arpo.tiny.checkpoint import tiny_checkpoint
 from test_conversion_cli import run_cli
 
 

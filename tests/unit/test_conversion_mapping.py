@@ -5,7 +5,7 @@ import re
 import pytest
 import torch
 
-from conversion import mapping
+from megatron_arpo.hf import mapping
 from megatron_arpo.model_config import load_model_config
 from megatron_arpo.models.registry import families
 

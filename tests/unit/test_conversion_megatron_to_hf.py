@@ -6,12 +6,12 @@ import shutil
 
 import pytest
 
-from conversion.config_json import carry_over_config
+from megatron_arpo.hf.config_json import carry_over_config
 from conversion.megatron_to_hf import convert_megatron_to_hf
 from conversion.verify import compare_hf_dirs
 from megatron_arpo.model_config import load_model_config
-from megatron_arpo.testing.real_shaped import PUBLISHED_CONFIGS, real_shaped_config
-from megatron_arpo.testing.tiny import tiny_checkpoint
+from support.real_shaped import PUBLISHED_CONFIGS, real_shaped_config
+from megatron_arpo.tiny.checkpoint import tiny_checkpoint
 from test_conversion_cli import run_cli
 
 

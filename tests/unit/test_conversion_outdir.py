@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conversion.outdir import (MARKER, MARKER_FORMAT, atomic_output_dir, check_distinct_paths, check_output_dir,
+from megatron_arpo.hf.outdir import (MARKER, MARKER_FORMAT, atomic_output_dir, check_distinct_paths, check_output_dir,
                                is_our_output, remove_stale_temps)
 
 
@@ -96,7 +96,7 @@ def test_stale_temps_of_dead_writers_are_removed_and_live_ones_kept(tmp_path, ca
     for path in (dead, legacy, live, remote, reused, other_out):
         path.mkdir()
         (path / "__0_0.distcp").write_bytes(b"\0" * 100)
-    with caplog.at_level(logging.WARNING, logger="conversion.outdir"):
+    with caplog.at_level(logging.WARNING, logger="megatron_arpo.hf.outdir"):
         removed = remove_stale_temps(out)
     assert sorted(removed) == sorted([dead, legacy, reused])
     assert not dead.exists() and not legacy.exists() and not reused.exists()
@@ -110,7 +110,7 @@ def test_old_dir_of_an_interrupted_replace_is_kept_when_the_output_is_missing(tm
     out = tmp_path / "out"
     old = tmp_path / ".out.old-0a0b0c0d-1-1@h"
     (old / "out").mkdir(parents=True)
-    with caplog.at_level(logging.WARNING, logger="conversion.outdir"):
+    with caplog.at_level(logging.WARNING, logger="megatron_arpo.hf.outdir"):
         assert remove_stale_temps(out) == []
     assert old.exists() and "move" in caplog.text
     out.mkdir()
@@ -119,7 +119,7 @@ def test_old_dir_of_an_interrupted_replace_is_kept_when_the_output_is_missing(tm
 
 @pytest.mark.parametrize("umask,mode", [(0o022, 0o755), (0o002, 0o775), (0o077, 0o700)])
 def test_output_gets_the_mode_the_umask_gives(tmp_path, umask, mode):
-    code = ("import sys; from conversion.outdir import atomic_output_dir\n"
+    code = ("import sys; from megatron_arpo.hf.outdir import atomic_output_dir\n"
             "with atomic_output_dir(sys.argv[1]) as tmp: (tmp / 'sub').mkdir()\n")
     subprocess.run([sys.executable, "-c", code, str(tmp_path / "out")], check=True, umask=umask)
     assert (tmp_path / "out").stat().st_mode & 0o777 == mode

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from conversion.verify import compare_hf_dirs
-from megatron_arpo.testing.real_shaped import PUBLISHED_CONFIGS, build_real_shaped_checkpoint
+from support.real_shaped import PUBLISHED_CONFIGS, build_real_shaped_checkpoint
 from test_conversion_cli import run_cli
 
 REPO = Path(__file__).resolve().parents[2]

@@ -27,7 +27,7 @@ from conversion import torch_pickle
 from conversion.dcp_write import dcp_metadata, plan_layout
 from conversion.torch_record import saved_object
 from megatron_arpo.model_config import load_model_config
-from megatron_arpo.testing.tiny import tiny_checkpoint
+from megatron_arpo.tiny.checkpoint import tiny_checkpoint
 
 
 def torch_saved_entries(obj) -> dict[str, bytes]:

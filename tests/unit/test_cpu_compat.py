@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_arpo.actor import cpu_compat
+from megatron_arpo.device import cpu_compat
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -47,7 +47,7 @@ def test_refuses_other_megatron_version(monkeypatch):
         cpu_compat.apply_cpu_compat()
     message = str(excinfo.value)
     assert "0.17.0" in message and "0.16.1" in message
-    assert "megatron_arpo/actor/cpu_compat.py" in message and cpu_compat.ALLOW_ENV in message
+    assert "megatron_arpo/device/cpu_compat.py" in message and cpu_compat.ALLOW_ENV in message
     assert cpu_compat._patched is False
 
 
@@ -68,7 +68,7 @@ def test_written_for_installed_version():
 _CHILD = textwrap.dedent("""
     import threading
     import torch
-    from megatron_arpo.actor.cpu_compat import apply_cpu_compat
+    from megatron_arpo.device.cpu_compat import apply_cpu_compat
     from megatron.core.tensor_parallel import random as mcore_random
 
     assert apply_cpu_compat() is True

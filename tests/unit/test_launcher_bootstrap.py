@@ -14,7 +14,7 @@ import pytest
 from megatron_arpo.cluster.bootstrap import (NODE_LABEL, NodeOptions, PortPlan, alive_node_ids,
                                              build_node_env, missing_nodes_message, ray_start_command,
                                              select_interface, write_json_atomic)
-from launchers.slurm_local import ensure_hosts_entry
+from support.slurm_local import ensure_hosts_entry
 
 
 def test_pinned_port_plan_gives_every_node_a_disjoint_block():

@@ -20,7 +20,7 @@ import hashlib
 import pytest
 
 from megatron_arpo.rollout.scheduler import RolloutPrompt
-from megatron_arpo.rollout.scripted import ScriptedStep
+from support.scripted import ScriptedStep
 from megatron_arpo.rollout.trajectory import tree_digest
 from scheduler_helpers import (CODEC, H_R0, H_R1, PROMPT, RESULT, ScriptedRng, check_masks, make_scheduler,
                                reference_script, result_end, run, table, traj_of)

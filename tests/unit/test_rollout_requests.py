@@ -21,7 +21,7 @@ from megatron_arpo.rollout.engine import MAX_ALLOWED_TOKEN_IDS, SegmentRequest
 from megatron_arpo.rollout.group import RolloutGroup
 from megatron_arpo.rollout.protocol import TagProtocol
 from megatron_arpo.rollout.scheduler import RolloutOptions, RolloutPrompt, RolloutScheduler
-from megatron_arpo.rollout.scripted import ScriptedEngine, ScriptedStep
+from support.scripted import ScriptedEngine, ScriptedStep
 from megatron_arpo.tools.base import ToolExecutor
 from scheduler_helpers import CODEC, PROMPT, RESULT, ScriptedSearch, make_scheduler, run, table
 

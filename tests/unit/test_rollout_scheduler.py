@@ -9,7 +9,7 @@ import pytest
 from megatron_arpo.algo.branching import aepo_initial_rollouts
 from megatron_arpo.rollout.protocol import TagProtocol
 from megatron_arpo.rollout.scheduler import RolloutPrompt
-from megatron_arpo.rollout.scripted import CharCodec, ScriptedStep
+from support.scripted import CharCodec, ScriptedStep
 from scheduler_helpers import (CODEC, H_R0, H_R1, PROMPT, RESULT, Counter, ScriptedRng, check_masks, gen_ids,
                                make_scheduler, reference_script, result_end, run, table, text_of)
 

@@ -7,11 +7,11 @@ import threading
 import pytest
 import torch
 
-from megatron_arpo.rollout import weight_sync as ws
+from megatron_arpo.weight_sync import protocol as ws
 from megatron_arpo.rollout.group import RolloutGroup
-from megatron_arpo.rollout.scripted import CharCodec, ScriptedEngine, ScriptedStep
+from support.scripted import CharCodec, ScriptedEngine, ScriptedStep
 from megatron_arpo.rollout.engine import SegmentRequest
-from megatron_arpo.rollout.weight_sender import LocalSync, push_weights
+from megatron_arpo.weight_sync.senders import LocalSync, push_weights
 
 CODEC = CharCodec()
 
@@ -104,7 +104,7 @@ def test_packed_chunks_cut_where_vllms_packer_cuts():
 def test_rank_offsets_follow_vllms_worker_ranks():
     from types import SimpleNamespace
 
-    from megatron_arpo.rollout.weight_receiver import worker_rank
+    from megatron_arpo.weight_sync.receivers import worker_rank
 
     offsets, world = ws.transfer_ranks([2, 1, 4])
     assert (offsets, world) == ([1, 3, 4], 8)
@@ -122,7 +122,7 @@ def test_init_infos_parse_as_the_receivers_expect():
     from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferInitInfo
     from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo
 
-    from megatron_arpo.rollout.weight_receiver import GlooInitInfo, StagedNCCLInitInfo
+    from megatron_arpo.weight_sync.receivers import GlooInitInfo, StagedNCCLInitInfo
 
     endpoints = [("10.0.0.1", 4000), ("10.0.0.2", 4001)]  # one sender per pipeline stage
     nccl = ws.receiver_init_info("nccl", endpoints, rank_offset=3, world_size=9, timeout_s=60)
@@ -195,7 +195,7 @@ def test_verify_sync_stops_on_a_wrong_load_and_names_the_engine(loop):
 
 
 def test_verify_sync_stops_on_a_corrupted_transfer(loop, monkeypatch):
-    import megatron_arpo.rollout.weight_sender as sender_mod
+    import megatron_arpo.weight_sync.senders as sender_mod
 
     real = sender_mod.tensor_checksum
 

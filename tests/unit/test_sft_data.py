@@ -6,7 +6,7 @@ import json
 import pytest
 
 from megatron_arpo.data import sft
-from megatron_arpo.testing import tiny_checkpoint
+from megatron_arpo.tiny.checkpoint import tiny_checkpoint
 
 RESULT_TEXT = " <result>\n42\n</result>"
 

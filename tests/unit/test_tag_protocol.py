@@ -15,7 +15,7 @@ import pytest
 from megatron_arpo.data.chat import ChatFormatError, load_chat_format
 from megatron_arpo.rollout.group import RolloutGroup
 from megatron_arpo.rollout.scheduler import RolloutOptions, RolloutPrompt, RolloutScheduler
-from megatron_arpo.rollout.scripted import ScriptedEngine, ScriptedStep
+from support.scripted import ScriptedEngine, ScriptedStep
 from megatron_arpo.tiny.qwen_tokenizer import ADDED_TOKENS, NUM_REGULAR_TOKENS
 from megatron_arpo.tools.base import Tool, ToolExecutor, ToolResult
 
@@ -78,7 +78,7 @@ def test_real_qwen_tokenizer_has_the_published_ids(tok, qwen3_checkpoint, qwq_ch
 
 
 def test_the_real_vocabulary_checkpoint_is_built_deterministically(qwen3_checkpoint, tmp_path):
-    from megatron_arpo.testing import build_tiny_checkpoint
+    from megatron_arpo.tiny.checkpoint import build_tiny_checkpoint
 
     again = build_tiny_checkpoint("tiny-qwen3-qwen-vocab", tmp_path / "again", seed=0, tokenizer="qwen3")
     names = sorted(p.name for p in qwen3_checkpoint.iterdir())
@@ -206,7 +206,7 @@ def test_tool_output_cannot_forge_control_tokens(tok, protocol):
 def test_local_tokenizer_tags_in_tool_output_are_plain_text_too():
     from transformers import AutoTokenizer
 
-    from megatron_arpo.testing import tiny_checkpoint
+    from megatron_arpo.tiny.checkpoint import tiny_checkpoint
 
     ckpt = tiny_checkpoint("tiny-qwen3")
     local = AutoTokenizer.from_pretrained(str(ckpt))  # its tool tags ARE added tokens

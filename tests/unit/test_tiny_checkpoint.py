@@ -14,9 +14,9 @@ import torch
 from safetensors import safe_open
 
 from megatron_arpo.model_config import check_hf_config, load_model_config
-from megatron_arpo.testing import build_tiny_checkpoint, tiny_checkpoint
-from megatron_arpo.testing.tiny import build_weights
-from megatron_arpo.testing.tokenizer import SPECIAL_TOKENS, TOOL_TAGS, build_tokenizer
+from megatron_arpo.tiny.checkpoint import build_tiny_checkpoint, tiny_checkpoint
+from megatron_arpo.tiny.checkpoint import build_weights
+from megatron_arpo.tiny.tokenizer import SPECIAL_TOKENS, TOOL_TAGS, build_tokenizer
 
 TINY_CONFIGS = ("tiny-qwen3", "tiny-qwen3-untied", "tiny-qwq")
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -103,7 +103,7 @@ def check_norms_and_biases(tensors: dict, cfg) -> None:
 
 def test_tokenizer_is_identical_across_processes(tmp_path):
     # Separate interpreters with different hash seeds: catches hash-map order leaking into ids or merges.
-    code = ("import sys; from megatron_arpo.testing.tokenizer import build_tokenizer; "
+    code = ("import sys; from megatron_arpo.tiny.tokenizer import build_tokenizer; "
             "build_tokenizer(1000, sys.argv[1])")
     for run, hash_seed in (("a", "1"), ("b", "2")):
         env = dict(os.environ, PYTHONHASHSEED=hash_seed, PYTHONPATH=str(REPO_ROOT))
@@ -257,8 +257,8 @@ def test_loads_in_transformers_with_finite_logits(checkpoints, name):
     assert torch.isfinite(logits).all()
 
 
-def test_importing_the_testing_package_is_light():
-    code = ("import sys, megatron_arpo.testing; "
+def test_importing_the_tiny_package_is_light():
+    code = ("import sys, megatron_arpo.tiny; "
             "heavy = [m for m in ('torch', 'tokenizers', 'safetensors', 'transformers') if m in sys.modules]; "
             "assert not heavy, heavy")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO_ROOT,

@@ -94,7 +94,7 @@ def test_count_steps():
 def test_load_prompt_set_renders_and_filters(tmp_path):
     from transformers import AutoTokenizer
 
-    from megatron_arpo.testing import tiny_checkpoint
+    from megatron_arpo.tiny.checkpoint import tiny_checkpoint
 
     from megatron_arpo.data.chat import load_chat_format
 

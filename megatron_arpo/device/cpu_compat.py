@@ -89,9 +89,9 @@ def _check_version() -> None:
     version = getattr(megatron.core, "__version__", "unknown")
     if version != WRITTEN_FOR and os.environ.get(ALLOW_ENV) != "1":
         raise RuntimeError(
-            f"megatron_arpo/actor/cpu_compat.py was written for megatron-core {WRITTEN_FOR}, but "
+            f"megatron_arpo/device/cpu_compat.py was written for megatron-core {WRITTEN_FOR}, but "
             f"megatron-core {version} is installed. Re-check the CUDA assumptions listed in "
-            f"megatron_arpo/actor/cpu_compat.py against {version} and update WRITTEN_FOR there, or set "
+            f"megatron_arpo/device/cpu_compat.py against {version} and update WRITTEN_FOR there, or set "
             f"{ALLOW_ENV}=1 to try it anyway."
         )
 

@@ -1,4 +1,4 @@
-"""Harness gaps of the fake CUDA harness (``megatron_arpo.actor.fake_cuda``): what a one-process fake world
+"""Harness gaps of the fake CUDA harness (``megatron_arpo.fake_cuda.harness``): what a one-process fake world
 cannot provide, patched only inside a session (listed in the harness docstring). None of this is a bug of
 the code under test.
 """
@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from megatron_arpo.actor.fake_reads import _is_fake
+from megatron_arpo.fake_cuda.reads import _is_fake
 
 
 class _HostSlice:

@@ -2,10 +2,10 @@
 
 The actor sends, the engine receives, the driver coordinates. No weight byte passes through the driver:
 
-- **sender half** (``megatron_arpo.rollout.weight_sender``, run inside the actor ranks): each pipeline
+- **sender half** (``megatron_arpo.weight_sync.senders``, run inside the actor ranks): each pipeline
   stage's sender gathers its TP shards one bucket at a time, maps them through the conversion tables
   into one packed buffer, sends it and frees it;
-- **receiver half** (``megatron_arpo.rollout.weight_receiver``, run inside the vLLM workers): vLLM
+- **receiver half** (``megatron_arpo.weight_sync.receivers``, run inside the vLLM workers): vLLM
   weight-transfer engines that receive a bucket and load it in place;
 - **driver** (this module, `ActorGroup.sync_weights`): opens the transfer once (`open_session`), then per
   sync ``start_weight_update`` on every engine, the actor ranks stream their buckets (each sender calls
@@ -57,7 +57,7 @@ __all__ = [
 ]
 
 TRANSPORTS = ("gloo", "nccl", "ipc")
-# vLLM weight-transfer backend names (megatron_arpo.rollout.vllm_plugin registers them in every vLLM process).
+# vLLM weight-transfer backend names (megatron_arpo.weight_sync.vllm_plugin registers them in every vLLM process).
 BACKENDS = {"gloo": "arpo_gloo", "nccl": "arpo_nccl", "ipc": "arpo_ipc"}
 # vLLM's packed NCCL consumer cuts a transfer into chunks of about this many bytes (its default); the sender
 # cuts the same chunks out of its packed bucket (`packed_chunks`).

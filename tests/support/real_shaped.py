@@ -77,7 +77,7 @@ def build_real_shaped_checkpoint(name: str, out_dir: str | os.PathLike, num_laye
 
     import torch
 
-    from conversion.hf_io import SafetensorsShardWriter, TensorSpec
+    from megatron_arpo.hf.checkpoint_io import SafetensorsShardWriter, TensorSpec
     from megatron_arpo.model_config import model_config_from_hf
     from megatron_arpo.tiny.checkpoint import build_weights
 

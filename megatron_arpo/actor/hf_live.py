@@ -13,7 +13,7 @@ pipeline stages (several chunks per rank) are not supported yet and are rejected
   layers, about ``bucket_bytes`` each, the tensors back to back in one flat byte buffer): each tensor's
   TP shards are gathered (on one TP rank, the weight-sync sender, or on all), turned into HF tensors by
   the table (vocab trimmed, no ``lm_head`` when tied) and copied into the bucket. The weight sync sends
-  these buckets to the rollout engines (megatron_arpo.rollout.weight_sender).
+  these buckets to the rollout engines (megatron_arpo.weight_sync.senders).
 - :func:`export_hf_buckets` / :func:`export_hf_weights` give the whole model on every rank of the TP x
   PP grid, in lockstep and in the same order: the owning stage broadcasts each packed bucket to the
   other stages (metadata with every bucket: nothing is cached across calls). HF checkpoint writing and
@@ -31,11 +31,11 @@ from typing import Callable, Iterator, Mapping, Sequence
 
 import torch
 
-from conversion import mapping
-from conversion.mapping import check_hf_dtypes, validate_hf_checkpoint  # noqa: F401  (re-exported)
-from conversion.hf_io import HFCheckpointReader
+from megatron_arpo.hf import mapping
+from megatron_arpo.hf.mapping import check_hf_dtypes, validate_hf_checkpoint  # noqa: F401  (re-exported)
+from megatron_arpo.hf.checkpoint_io import HFCheckpointReader
 from megatron_arpo.model_config import ModelConfig
-from megatron_arpo.rollout.weight_sync import BufferPool, pack_in_order
+from megatron_arpo.weight_sync.protocol import BufferPool, pack_in_order
 
 logger = logging.getLogger(__name__)
 

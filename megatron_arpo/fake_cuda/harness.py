@@ -11,7 +11,7 @@ parameters are bf16 on the device. It is built from the facts measured in
   with this process as any rank. Megatron's gloo groups are created on ``fake`` too; each group's
   *intended* backend is remembered (:meth:`FakeCudaSession.intended_backend`) and reported by
   ``dist.get_backend``, so code that picks a device from the backend takes its NCCL branch.
-- A small C++ extension (``fake_cuda_guard.cpp``, built on first use with
+- A small C++ extension (``guard.cpp``, built on first use with
   ``torch.utils.cpp_extension.load`` and cached under ``.cache/fake_cuda`` keyed by the torch version
   and the source hash) registers a fake CUDA device guard and makes ATen report CUDA as the current
   accelerator; a CPU-only torch has neither, and indexing, ``.cuda()`` and autograd on fake cuda
@@ -60,7 +60,7 @@ Harness gaps (not bugs of the code under test), each patched only inside a sessi
 
 Process-wide effects that outlive a session: the extension (CUDA stays the accelerator of this
 process) and autograd's device threads. Run one session per process (tests use a subprocess per
-scenario); a session refuses to start when the CPU compat layer (``megatron_arpo.actor.cpu_compat``)
+scenario); a session refuses to start when the CPU compat layer (``megatron_arpo.device.cpu_compat``)
 is already active in the process, since the two make opposite claims about CUDA.
 """
 
@@ -83,12 +83,12 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from megatron_arpo.actor.fake_gaps import install_host_io, install_megatron_gaps, install_module_moves
-from megatron_arpo.actor.fake_reads import DataReadMode, HostFunctionMode, _tensors_in
+from megatron_arpo.fake_cuda.gaps import install_host_io, install_megatron_gaps, install_module_moves
+from megatron_arpo.fake_cuda.reads import DataReadMode, HostFunctionMode, _tensors_in
 
 logger = logging.getLogger(__name__)
 
-GUARD_SOURCE = Path(__file__).with_name("fake_cuda_guard.cpp")
+GUARD_SOURCE = Path(__file__).with_name("guard.cpp")
 CACHE_ENV = "MEGATRON_ARPO_FAKE_CUDA_CACHE"
 DEVICE_CAPABILITY = (9, 0)
 DEVICE_MEMORY_BYTES = 80 * 2**30
@@ -204,7 +204,7 @@ def _install_cuda_stubs(patches: _Patches, device: _DeviceState, num_devices: in
         device.index = idx
         guard.set_device(idx)
 
-    props = SimpleNamespace(name="Fake H100 (megatron_arpo.actor.fake_cuda)", major=DEVICE_CAPABILITY[0],
+    props = SimpleNamespace(name="Fake H100 (megatron_arpo.fake_cuda.harness)", major=DEVICE_CAPABILITY[0],
                             minor=DEVICE_CAPABILITY[1], total_memory=DEVICE_MEMORY_BYTES,
                             multi_processor_count=132, is_integrated=False, is_multi_gpu_board=False,
                             L2_cache_size=50 * 2**20, warp_size=32, gcnArchName="", uuid="fake")
@@ -495,10 +495,10 @@ def fake_cuda(world_size: int, rank: int, *, num_devices: int = MAX_DEVICES,
         raise ValueError(f"rank {rank} is outside the world of {world_size}; allowed: 0..{world_size - 1}")
     if not 1 <= num_devices <= MAX_DEVICES:
         raise ValueError(f"num_devices {num_devices}: the fake device guard models 1..{MAX_DEVICES} devices")
-    from megatron_arpo.actor import cpu_compat
+    from megatron_arpo.device import cpu_compat
 
     if getattr(cpu_compat, "_patched", False):
-        raise RuntimeError("the CPU compat layer (megatron_arpo.actor.cpu_compat) is active in this process; it maps "
+        raise RuntimeError("the CPU compat layer (megatron_arpo.device.cpu_compat) is active in this process; it maps "
                            "cuda to cpu, the fake CUDA harness the opposite. Run the harness in a fresh process")
     if dist.is_initialized():
         raise RuntimeError("a process group already exists in this process; run the fake CUDA harness in a fresh "

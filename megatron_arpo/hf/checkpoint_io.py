@@ -12,7 +12,7 @@
   Each shard is written back as it grows and its pages dropped from the page cache
   (:class:`megatron_arpo.fsutil.WriteBehind`), so a conversion neither fills the cache with its output nor
   waits on reclaim (about 2x the speed of ``cp`` on a machine with a full page cache).
-- :func:`atomic_output_dir` (re-exported from :mod:`conversion.outdir`, which also guards the paths):
+- :func:`atomic_output_dir` (re-exported from :mod:`megatron_arpo.hf.outdir`, which also guards the paths):
   output is built in a temporary sibling directory and renamed into place only when complete. No
   half-written checkpoint is ever visible at the target path.
 """
@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 if TYPE_CHECKING:
     import torch
 
-from conversion.outdir import atomic_output_dir, check_output_dir, write_json  # noqa: F401  (the writers' entry points)
+from megatron_arpo.hf.outdir import atomic_output_dir, check_output_dir, write_json  # noqa: F401  (the writers' entry points)
 from megatron_arpo.fsutil import WriteBehind
 
 logger = logging.getLogger(__name__)

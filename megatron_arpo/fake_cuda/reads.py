@@ -1,4 +1,4 @@
-"""Data reads of fake tensors for the fake CUDA harness (``megatron_arpo.actor.fake_cuda``).
+"""Data reads of fake tensors for the fake CUDA harness (``megatron_arpo.fake_cuda.harness``).
 
 Fake tensors have shapes, not values. Code under test still reads values: counts with ``int()``,
 validation with ``bool(torch.isfinite(x))``, sequence lengths from ``cu_seqlens.tolist()``. The rules

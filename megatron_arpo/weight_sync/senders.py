@@ -29,7 +29,7 @@ import threading
 import time
 from typing import Any, Optional, Sequence
 
-from megatron_arpo.rollout.weight_sync import (NCCL_PACKED_BUFFER_BYTES, BucketLayout, EngineRef, call_engines,
+from megatron_arpo.weight_sync.protocol import (NCCL_PACKED_BUFFER_BYTES, BucketLayout, EngineRef, call_engines,
                                                engine_refs, next_sync_id, packed_chunks, sample_names,
                                                tensor_checksum, transfer_ranks, wait_engines)
 
@@ -325,7 +325,7 @@ class LocalSync:
     """
 
     def __init__(self, engines: Any, *, timeout_s: float = 600.0, loop: Any = None):
-        from megatron_arpo.rollout.weight_sync import receiver_init_info
+        from megatron_arpo.weight_sync.protocol import receiver_init_info
 
         self.engines = engine_refs(engines, loop)
         self.timeout_s = timeout_s
@@ -340,7 +340,7 @@ class LocalSync:
 
     def push(self, named_tensors: Sequence[tuple[str, Any]], *, bucket_bytes: int = 512 * 2**20,
              verify_fraction: float = 0.0) -> dict:
-        from megatron_arpo.rollout.weight_sync import bucket_named_tensors
+        from megatron_arpo.weight_sync.protocol import bucket_named_tensors
 
         sync_id = next_sync_id()
         call_engines(self.engines, "start_weight_update", timeout=self.timeout_s)

@@ -41,7 +41,7 @@ REQUIRED_BINARIES = ("slurmctld", "slurmd", "munged", "munge", "sinfo", "sbatch"
 MUNGE_SOCKET = "/run/munge/munge.socket.2"
 
 _CONF_TEMPLATE = """\
-# Written by launchers.slurm_local for a throwaway 2-node test cluster; do not edit.
+# Written by support.slurm_local for a throwaway 2-node test cluster; do not edit.
 ClusterName=ma-local
 SlurmctldHost={host}(127.0.0.1)
 SlurmctldPort={ctld_port}

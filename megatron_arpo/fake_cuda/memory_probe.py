@@ -3,7 +3,7 @@
 One pipeline stage of an experiment's layout is built exactly as the actor builds it
 (:class:`~megatron_arpo.actor.worker.MegatronActorWorker`: bf16 GPTModel on the device under
 ``Float16Module``, Megatron DDP with fp32 grad buffers, the distributed optimizer) on fake GPU tensors
-(``megatron_arpo.actor.fake_cuda``), and runs one PPO optimizer step (``worker.update``) over one full
+(``megatron_arpo.fake_cuda.harness``), and runs one PPO optimizer step (``worker.update``) over one full
 micro-batch: sequences of the recipe's longest length packed to ``actor.micro_batch_tokens``. The 1F1B
 schedule keeps ``pp - stage`` micro-batches in flight on a stage: the activations one micro-batch keeps
 from the end of its forward to its backward are measured too, and the extra in-flight ones are added
@@ -22,7 +22,7 @@ Two differences from a GPU run, both stated in the output: the local layer spec 
 cannot be installed without CUDA), whose unfused attention keeps ``s x s`` scores; and torch's Adam is
 forced to its ``foreach`` implementation, which it picks on a GPU but not for fake tensors.
 
-Run it as ``python -m megatron_arpo.actor.memory_probe SPEC.json`` in a fresh process (the harness
+Run it as ``python -m megatron_arpo.fake_cuda.memory_probe SPEC.json`` in a fresh process (the harness
 changes process-wide torch state); it prints one JSON line. SPEC: ``{"config": <experiment config
 mapping>, "stage": int}``.
 """
@@ -198,7 +198,7 @@ def measure_stage(cfg, stage: int) -> dict[str, Any]:
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
     from megatron_arpo.config import actor_world_size, resolved_model
-    from megatron_arpo.actor.fake_cuda import fake_cuda
+    from megatron_arpo.fake_cuda.harness import fake_cuda
 
     actor, model_cfg = cfg.actor, resolved_model(cfg)
     tp, pp = actor.tensor_parallel, actor.pipeline_parallel
@@ -306,7 +306,7 @@ def main(argv: list[str]) -> int:
     # Megatron compiles its fused kernels with torch.compile; on fake tensors they run eagerly.
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
     from megatron_arpo.config import build_config
-    from megatron_arpo.actor.fake_cuda import FakeCudaUnavailable
+    from megatron_arpo.fake_cuda.harness import FakeCudaUnavailable
 
     spec = json.loads(open(argv[0]).read())
     cfg = build_config(spec["config"])

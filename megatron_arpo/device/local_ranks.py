@@ -2,7 +2,7 @@
 
 ``run_distributed(fn, world_size, *args, **kwargs)`` spawns ``world_size`` fresh processes (spawn
 context, so no forked CUDA/OpenMP state), gives each an initialised gloo process group and the CPU
-compat layer (``megatron_arpo.actor.cpu_compat.apply_cpu_compat``), calls
+compat layer (``megatron_arpo.device.cpu_compat.apply_cpu_compat``), calls
 ``fn(rank, world_size, *args, **kwargs)`` and returns the per-rank return values in rank order.
 
 - ``fn`` must be a module-level (picklable) function; its return value must be picklable. Results travel
@@ -91,7 +91,7 @@ def _worker(rank: int, world_size: int, port: int, timeout: float, fn: Callable,
         torch.set_num_threads(1)
         dist.init_process_group("gloo", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout))
-        from megatron_arpo.actor.cpu_compat import apply_cpu_compat
+        from megatron_arpo.device.cpu_compat import apply_cpu_compat
 
         apply_cpu_compat()
         value = fn(rank, world_size, *args, **kwargs)

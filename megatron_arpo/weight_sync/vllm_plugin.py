@@ -5,15 +5,15 @@ vLLM creates a worker's weight-transfer engine from ``weight_transfer_config.bac
 Ray actor, ``ray`` executor workers), so registering in the driver is not enough. vLLM runs the functions
 of the ``vllm.general_plugins`` entry point group (setup.py) in each of its processes before it builds a
 worker; `register_weight_transfer_engines` is that function. Registration is by module path: the receiver
-module (``megatron_arpo.rollout.weight_receiver``) is imported only when an engine is created.
+module (``megatron_arpo.weight_sync.receivers``) is imported only when an engine is created.
 Idempotent: vLLM may load plugins several times per process, and `VllmEngine` calls it too.
 """
 
 from __future__ import annotations
 
-from megatron_arpo.rollout.weight_sync import BACKENDS
+from megatron_arpo.weight_sync.protocol import BACKENDS
 
-RECEIVER_MODULE = "megatron_arpo.rollout.weight_receiver"
+RECEIVER_MODULE = "megatron_arpo.weight_sync.receivers"
 ENGINE_CLASSES = {"gloo": "GlooWeightTransferEngine", "nccl": "StagedNCCLWeightTransferEngine",
                   "ipc": "VerifiedIPCWeightTransferEngine"}
 

@@ -294,7 +294,7 @@ def _dict_receiver(engine: "ScriptedEngine") -> Any:
 
     import torch
 
-    from megatron_arpo.rollout.weight_receiver import GlooWeightTransferEngine
+    from megatron_arpo.weight_sync.receivers import GlooWeightTransferEngine
 
     class DictModel:
         def load_weights(self, weights):

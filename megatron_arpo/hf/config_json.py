@@ -118,7 +118,7 @@ def carry_over_config(original: dict[str, Any], model_cfg: ModelConfig, dtype_na
 
 def write_config_json(out_dir: Path, ckpt: Path, model_cfg: ModelConfig, dtype_name: str) -> dict[str, Any]:
     """Write ``out_dir/config.json``; returns the report entry (origin and changes)."""
-    from conversion.hf_io import write_json
+    from megatron_arpo.hf.checkpoint_io import write_json
 
     source = find_original_config(ckpt)
     if source is None:

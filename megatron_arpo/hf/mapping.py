@@ -38,7 +38,7 @@ from megatron_arpo.models.rules import (  # noqa: F401  (re-exported: the conver
 if TYPE_CHECKING:
     import torch
 
-    from conversion.hf_io import HFCheckpointReader
+    from megatron_arpo.hf.checkpoint_io import HFCheckpointReader
 
 # Transformer Engine fuses the pre-attention / pre-MLP norms into the following linear; Megatron's
 # dist-checkpoint keys use these names for both specs.

@@ -2,7 +2,7 @@
 
 Runs inside the vLLM workers (every worker of an engine receives every bucket and loads its own TP
 shard of it). vLLM 0.32 creates one engine per worker from ``weight_transfer_config.backend`` (see
-``megatron_arpo.rollout.vllm_plugin``, which registers the three backends in every vLLM process) and
+``megatron_arpo.weight_sync.vllm_plugin``, which registers the three backends in every vLLM process) and
 drives it through the worker's four phases:
 
 - ``init_weight_transfer_engine(init_info)``: join the senders' groups, one per actor pipeline stage
@@ -45,7 +45,7 @@ from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightT
 from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine, IPCWeightTransferUpdateInfo
 from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine, NCCLWeightTransferUpdateInfo
 
-from megatron_arpo.rollout.weight_sync import (BucketLayout, BufferPool, WeightSyncError, compare_checksums,
+from megatron_arpo.weight_sync.protocol import (BucketLayout, BufferPool, WeightSyncError, compare_checksums,
                                                tensor_checksum)
 
 logger = logging.getLogger(__name__)
