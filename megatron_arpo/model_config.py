@@ -27,7 +27,15 @@ __all__ = ["ARCH_FIELDS", "MODEL_CONFIG_DIR", "ModelConfig", "ParallelDefaults",
            "hf_config_dict", "layout_errors", "load_model_config", "model_config_from_dict", "model_config_from_hf",
            "read_hf_config", "resolve_model_config_path", "tensor_parallel_choices"]
 
-MODEL_CONFIG_DIR = Path(__file__).resolve().parent.parent / "model_configs"
+
+
+def _model_config_dir() -> Path:
+    """``model_configs/`` of a source checkout, else the copy an installed package carries (setup.py)."""
+    checkout = Path(__file__).resolve().parent.parent / "model_configs"
+    return checkout if checkout.is_dir() else Path(__file__).resolve().parent / "model_configs"
+
+
+MODEL_CONFIG_DIR = _model_config_dir()
 
 
 ROPE_TYPES = ("llama3",)
