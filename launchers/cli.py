@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from megatron_arpo.errors import InputError
+from megatron_arpo.fsutil import atomic_write
 
 logger = logging.getLogger(__name__)
 
@@ -81,9 +82,8 @@ def _run_slurm(args) -> int:
     opts = dataclasses.replace(opts, run_dir=str(run_dir))
     run_dir.mkdir(parents=True, exist_ok=True)
     # The job trains from the resolved config (base: chains and --set applied), written atomically.
-    tmp = run_dir / ".config.yaml.tmp"
-    tmp.write_text(cfg.dump_yaml())
-    os.replace(tmp, run_dir / "config.yaml")
+    with atomic_write(run_dir / "config.yaml") as fh:
+        fh.write(cfg.dump_yaml())
     job_id = submit(render_sbatch(opts, command=command, mounts=mounts), run_dir, opts.job_name)
     print(f"submitted job {job_id}")
     print(f"script: {run_dir / (opts.job_name + '.sbatch')}")

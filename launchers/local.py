@@ -42,6 +42,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Sequence
 
+from megatron_arpo.fsutil import atomic_write
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_INTERFACE = "lo"
@@ -131,12 +133,8 @@ def plan_local_launch(cfg, num_nodes: int = 1, command: Sequence[str] | None = N
 def _write_config(cfg, run_dir: Path) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "config.yaml"
-    tmp = run_dir / ".config.yaml.tmp"
-    with open(tmp, "w") as fh:
+    with atomic_write(path) as fh:
         fh.write(cfg.dump_yaml())
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
     return path
 
 

@@ -41,6 +41,7 @@ from typing import Any, Mapping, Sequence
 
 from launchers.options import LauncherOptions, launcher_options
 from megatron_arpo.cluster.launch_options import ray_node_args
+from megatron_arpo.fsutil import atomic_write
 
 logger = logging.getLogger(__name__)
 
@@ -208,9 +209,8 @@ def submit(script: str, run_dir: str | os.PathLike, job_name: str = "megatron-ar
     run_dir = Path(run_dir)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     path = run_dir / f"{job_name}.sbatch"
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(script)
-    os.replace(tmp, path)
+    with atomic_write(path) as fh:
+        fh.write(script)
     cmd = ["sbatch", "--parsable", *sbatch_args, str(path)]
     result = subprocess.run(cmd, capture_output=True, text=True, env=None if env is None else dict(env))
     if result.returncode != 0:

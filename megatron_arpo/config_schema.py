@@ -93,7 +93,6 @@ class KLSection:
 
 @dataclass(frozen=True)
 class AlgorithmSection:
-    advantage: Literal["grpo"] = _f("grpo")
     norm_by_std: bool = _f(True)
     advantage_eps: float = _f(1e-6, gt=0)
     clip_low: float = _f(0.2, gt=0, lt=1)

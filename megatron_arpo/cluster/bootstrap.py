@@ -40,7 +40,6 @@ address its previous incarnation published.
 
 from __future__ import annotations
 
-import dataclasses
 import fcntl
 import json
 import logging
@@ -56,6 +55,7 @@ from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 from megatron_arpo.cluster.launch_options import LauncherSection
+from megatron_arpo.fsutil import atomic_write
 from megatron_arpo.cluster.ports import PortPlan  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
@@ -296,13 +296,8 @@ def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 
 
 def write_json_atomic(path: Path, data: Mapping) -> None:
     """Write JSON so readers see either nothing or the whole file (temp + fsync + rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as fh:
+    with atomic_write(path) as fh:
         json.dump(data, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
 
 
 def _ignore_usr1() -> None:

@@ -60,6 +60,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from megatron_arpo.fsutil import atomic_write
+
 logger = logging.getLogger(__name__)
 
 BUILTIN_DIR = Path(__file__).resolve().parent / "builtin"
@@ -219,13 +221,9 @@ def _read_jsonl(path: Path) -> list[dict]:
 
 
 def _write_jsonl_atomic(path: Path, rows: list[dict]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as fh:
+    with atomic_write(path) as fh:
         for row in rows:
             fh.write(json.dumps(row, sort_keys=True, ensure_ascii=False) + "\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
 
 
 def result_block(payload: str) -> str:

@@ -9,17 +9,7 @@ start of the next epoch: no prompt is skipped and none is repeated within an epo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
-
-
-@dataclass
-class SamplerState:
-    epoch: int = 0
-    position: int = 0
-    num_items: int = 0
-    seed: int = 0
 
 
 class EpochSampler:

@@ -36,6 +36,8 @@ import re
 from pathlib import Path
 from typing import Iterator
 
+from megatron_arpo.fsutil import atomic_write
+
 logger = logging.getLogger(__name__)
 
 ENDOFTEXT = "<|endoftext|>"
@@ -332,12 +334,8 @@ def special_tokens_map_dict() -> dict:
 
 def write_bytes_atomic(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` through a temporary file in the same directory, fsync, rename."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as fh:
+    with atomic_write(path, "wb") as fh:
         fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
 
 
 def dump_json(obj) -> bytes:

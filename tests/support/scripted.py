@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -31,7 +30,7 @@ from megatron_arpo.rollout.engine import SegmentOutput, SegmentRequest
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CharCodec", "ScriptedEngine", "ScriptedStep", "topk_table"]
+__all__ = ["CharCodec", "ScriptedEngine", "ScriptedStep"]
 
 DEFAULT_SPECIAL_TOKENS = ("<think>", "</think>", "<search>", "</search>", "<python>", "</python>",
                           "<result>", "</result>", "<answer>", "</answer>", "<EOS>")
@@ -315,7 +314,3 @@ def _dict_receiver(engine: "ScriptedEngine") -> Any:
                              model_config=SimpleNamespace(dtype=None))
     return DictReceiver(SimpleNamespace(backend="arpo_gloo"), config, torch.device("cpu"), DictModel())
 
-
-def topk_table(token_ids: Sequence[int], probs: Sequence[float]) -> dict[int, float]:
-    """A top-k table {token id: log p} from probabilities (helper for scripts)."""
-    return {int(t): math.log(p) for t, p in zip(token_ids, probs)}

@@ -1,5 +1,6 @@
 """The installed package stands alone: a non-editable install resolves model configs by name."""
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -11,9 +12,12 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.mark.slow
 def test_a_non_editable_install_resolves_model_configs_by_name(tmp_path):
-    target = tmp_path / "site"
+    # Built from a copy of the sources: setuptools writes build/ and *.egg-info next to what it builds.
+    source, target = tmp_path / "src", tmp_path / "site"
+    shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(".venv*", ".git", ".cache", "build", "*.egg-info",
+                                                                  "runs", "__pycache__"))
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-                    "--target", str(target), str(REPO)], check=True, cwd=tmp_path, capture_output=True)
+                    "--target", str(target), str(source)], check=True, cwd=tmp_path, capture_output=True)
     code = ("import sys; sys.path.insert(0, sys.argv[1]); "
             "from megatron_arpo.model_config import MODEL_CONFIG_DIR, load_model_config; "
             "cfg = load_model_config('qwq-32b'); "
