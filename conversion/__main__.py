@@ -18,6 +18,7 @@ import threading
 
 from megatron_arpo.hf.config_json import FieldChange
 from megatron_arpo.hf.checkpoint_io import parse_size
+from megatron_arpo.device.quiet import quiet_cpu_warnings
 
 
 def _model_cfg(path):
@@ -112,8 +113,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from megatron_arpo.cli import quiet_cpu_warnings
-
     quiet_cpu_warnings()
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,

@@ -18,17 +18,17 @@ import difflib
 import importlib
 import json
 import sys
-import warnings
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import yaml
 
 from megatron_arpo import __version__
-from megatron_arpo.config import ConfigError, ExperimentConfig, load_config
+from megatron_arpo.command_args import PROG, add_config_arguments, config_from_args
+from megatron_arpo.config import ConfigError
 from megatron_arpo.errors import InputError
+from megatron_arpo.device.quiet import quiet_cpu_warnings
 
-PROG = "megatron-arpo"
 EXIT_CONFIG_ERROR = 2
 
 
@@ -52,17 +52,6 @@ COMMANDS: tuple[Command, ...] = (
     Command("demo", "megatron_arpo.demo", "demo_main", "the end-to-end CPU demo: SFT, ARPO, evaluation"),
     Command("doctor", "megatron_arpo.doctor", "doctor_main", "check a GPU node's stack: torch/CUDA, NCCL, TE, vLLM, run dir"),
 )
-
-
-def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    """The shared experiment-config options: ``--config X.yaml`` and repeated ``--set a.b=c``."""
-    parser.add_argument("--config", required=True, metavar="YAML", help="experiment config file")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override one key, e.g. --set rollout.n=8 (repeatable)")
-
-
-def config_from_args(args: argparse.Namespace) -> ExperimentConfig:
-    return load_config(args.config, args.overrides)
 
 
 def config_main(argv: Sequence[str]) -> int:
@@ -129,11 +118,6 @@ def _build_parser() -> argparse.ArgumentParser:
     parser.add_argument("command", metavar="COMMAND", help="one of: " + ", ".join(c.name for c in COMMANDS))
     parser.add_argument("args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     return parser
-
-
-def quiet_cpu_warnings() -> None:
-    """Megatron warns at import that Transformer Engine/Apex are absent: expected on CPU, noise for users."""
-    warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed.*")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

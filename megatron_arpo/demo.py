@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from megatron_arpo.redaction import install_log_redaction
+from megatron_arpo.command_args import PROG, add_config_arguments
 
 logger = logging.getLogger(__name__)
 
@@ -346,7 +347,6 @@ def write_summary(demo: Demo) -> dict:
 
 
 def demo_main(argv: Sequence[str]) -> int:
-    from megatron_arpo.cli import PROG, add_config_arguments
     from megatron_arpo.data.demo_tasks import DEFAULT_SFT_TOOL_FRACTION
     from megatron_arpo.tiny.checkpoint import TOKENIZER_KINDS
 

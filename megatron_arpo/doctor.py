@@ -33,6 +33,7 @@ import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
+from megatron_arpo.command_args import PROG
 
 VLLM_SERIES = "0.32"
 MEGATRON_CORE_VERSION = "0.16.1"
@@ -262,7 +263,6 @@ def format_table(rows: Sequence[Check]) -> str:
 
 
 def doctor_main(argv: Sequence[str], emit: Callable[[str], None] = print) -> int:
-    from megatron_arpo.cli import PROG
 
     parser = argparse.ArgumentParser(prog=f"{PROG} doctor", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default=None, help="experiment YAML: its trainer.run_dir is checked")

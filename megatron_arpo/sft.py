@@ -31,6 +31,7 @@ import math
 import time
 from pathlib import Path
 from typing import Any, Sequence
+from megatron_arpo.command_args import PROG, add_config_arguments, config_from_args
 
 logger = logging.getLogger(__name__)
 
@@ -160,7 +161,6 @@ def run_sft(cfg, resume: str = "auto") -> dict[str, Any]:
 
 
 def sft_main(argv: Sequence[str]) -> int:
-    from megatron_arpo.cli import PROG, add_config_arguments, config_from_args
     from megatron_arpo.config import validate_paths
     from megatron_arpo.tracking import setup_console_logging
 

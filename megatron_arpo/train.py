@@ -26,6 +26,7 @@ from typing import Sequence
 
 from megatron_arpo.trainer import checkpointing, metrics, phases, steps
 from megatron_arpo.trainer.signals import LeadTimeAdvisor, StepAborted, StopRequest
+from megatron_arpo.command_args import PROG, add_config_arguments, config_from_args
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +107,6 @@ def train(cfg, resume: str = "auto", replay_dir: str | None = None) -> int:
 
 
 def train_main(argv: Sequence[str]) -> int:
-    from megatron_arpo.cli import PROG, add_config_arguments, config_from_args
     from megatron_arpo.config import validate_paths
     from megatron_arpo.errors import InputError
     from megatron_arpo.preflight import check_tools
