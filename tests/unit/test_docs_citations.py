@@ -29,9 +29,14 @@ SELF = Path(__file__).resolve().relative_to(ROOT).as_posix()  # its fixtures are
 
 
 def _repository_files() -> list[str]:
-    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                         capture_output=True, text=True, check=True).stdout
-    return sorted({line for line in out.splitlines() if (ROOT / line).is_file()})
+    try:
+        out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                             capture_output=True, text=True, check=True).stdout
+        names = out.splitlines()
+    except (OSError, subprocess.CalledProcessError):  # not a git checkout: every file outside hidden/venv dirs
+        names = [p.relative_to(ROOT).as_posix() for p in ROOT.rglob("*")
+                 if not any(part.startswith(".") or part in ("build", "runs") for part in p.relative_to(ROOT).parts)]
+    return sorted({name for name in names if (ROOT / name).is_file()})
 
 
 FILES = _repository_files()
