@@ -1,7 +1,7 @@
 """Evaluation datasets: the registry of known benchmarks and loaders for the ARPO/Tool-Star JSONL layouts.
 
 Every dataset is one file, ``<data-dir>/<name>/test.jsonl``, one JSON object per line (the layout of the
-ARPO evaluation data, ARPO_REFERENCE.md §9). The fields differ between sources:
+ARPO evaluation data, docs/design/arpo_reference.md §9). The fields differ between sources:
 
   - ``question`` / ``answer``: most sets (AIME24, HotpotQA, 2Wiki, MuSiQue, Bamboogle, WebWalker, ...);
   - ``Question`` with ``Final answer`` (or ``answer``): GAIA;

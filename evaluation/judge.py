@@ -2,7 +2,7 @@
 
 The judge is asked whether a predicted answer matches the gold answer of a question and replies with
 ``<judgment>Correct</judgment>`` or ``<judgment>Incorrect</judgment>`` (our prompt wording). The verdict
-is parsed as in the ARPO evaluation code (ARPO_REFERENCE.md §9): take the last ``<judgment>...</judgment>``
+is parsed as in the ARPO evaluation code (docs/design/arpo_reference.md §9): take the last ``<judgment>...</judgment>``
 span if there is one, else the whole reply; lowercase; any of ``incorrect`` / ``wrong`` /
 ``not correct`` -> incorrect, else ``correct`` -> correct, else no verdict (counted as incorrect and as
 ``unparsed``). As in the reference, evaluation then counts a sample as judged correct when the judge says

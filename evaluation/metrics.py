@@ -3,7 +3,7 @@
 The scorers are the RL rewards' own helpers (`megatron_arpo.rewards.text` and `.math`), so evaluation
 and training score answers identically.
 
-Differences from the reference evaluation code (ARPO `evaluation/src/metrics.py`, reference §9):
+Differences from the reference evaluation code (ARPO `evaluation/src/metrics.py`, docs/design/arpo_reference.md §9):
   - QA normalisation is the standard SQuAD one, which DELETES punctuation; the reference keeps it.
     So `Paris.` vs `Paris` is em 1, f1 1 here (reference: em 0, f1 0; acc 1 in both). This matches the
     training reward's normalisation and the published HotpotQA/SQuAD scripts.

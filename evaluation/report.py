@@ -10,7 +10,7 @@ Per dataset, from the records of k runs (run r = the r-th sample drawn for every
     (``math_equal`` for math, ``em`` for qa) or, when the judge ran, ``llm_equal``;
   - tool calls per sample, in total and per tool, and the share of samples that called any tool.
 The headline is ``llm_equal`` when the judge ran, else the task's headline (math_equal / f1), as in the
-reference evaluation (ARPO_REFERENCE.md §9).
+reference evaluation (docs/design/arpo_reference.md §9).
 
 ``llm_equal`` of a sample = the judge said correct OR the task's rule already matched (the reference's
 ``is_equiv(pred, gold) or judge``). When the judge is unavailable, ``llm_equal`` is left out entirely and

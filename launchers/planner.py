@@ -8,8 +8,8 @@ splits the linear layers and the vocabulary; norms are replicated; PP splits the
 embedding lives on the first stage, the output layer and final norm on the last (a tied model keeps a
 copy of the embedding on the last stage when PP > 1, as Megatron does).
 
-Actor memory per GPU (bytes per parameter, Megatron's distributed-optimizer table in
-``docs/source/api-guide/dist_optimizer.md``: bf16 params + fp32 grads = 6 + 12/DP):
+Actor memory per GPU (bytes per parameter, Megatron's distributed-optimizer rule, as in
+docs/design/fake_cuda.md §3: bf16 params + fp32 grads = 6 + 12/DP):
 - bf16 weights 2 B, fp32 gradient buffer 4 B (Megatron accumulates/reduces bf16 grads in fp32),
 - fp32 main params + Adam m + v = 12 B, divided by DP with the distributed optimizer.
 ``megatron-arpo plan --measure`` (``launchers.measure``) measures all of this exactly.

@@ -21,7 +21,7 @@ Rules this module enforces, all in ``load_config``:
   (``*_env`` keys). ``redact`` (megatron_arpo/redaction.py) masks secret-looking values and URL
   passwords before a config reaches a log or wandb.
 
-The numbers given as defaults are the ARPO reference's (ARPO_REFERENCE.md §2.1, §3.3) unless noted.
+The numbers given as defaults are the ARPO reference's (docs/design/arpo_reference.md §2.1, §3.3) unless noted.
 """
 
 from __future__ import annotations

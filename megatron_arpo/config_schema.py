@@ -5,7 +5,7 @@ Each field carries its bounds and one line of help (``_f``, :func:`megatron_arpo
 the config reference from the help text. A section read by one component is defined by that component and
 only composed here (``rollout``: :mod:`megatron_arpo.rollout.config`; ``tools``:
 :mod:`megatron_arpo.tools.config`; ``launcher``: :mod:`megatron_arpo.cluster.launch_options`; ``algorithm``
-is read by the actor's loss as it is). Defaults are the ARPO reference's (ARPO_REFERENCE.md §2.1, §3.3) unless noted.
+is read by the actor's loss as it is). Defaults are the ARPO reference's (docs/design/arpo_reference.md §2.1, §3.3) unless noted.
 """
 
 from __future__ import annotations

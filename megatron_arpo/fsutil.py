@@ -78,7 +78,7 @@ class WriteBehind:
     (``sync_file_range(WRITE)``); ``lag`` windows later the writer waits for it and drops its pages
     (``posix_fadvise(DONTNEED)``). Why: a plain copy fills the page cache with dirty output pages, and on a
     machine whose memory is full of cache every new page costs a reclaim. ``benchmarks/write_behind.py``
-    (RESULTS.md): a 7 GB copy at a median 0.85 GB/s as ``cp`` does it, 2.4 GB/s with write-behind.
+    (benchmarks/RESULTS.md): a 7 GB copy at a median 0.85 GB/s as ``cp`` does it, 2.4 GB/s with write-behind.
     The output is then not left in the page cache (as ``dd oflag=nocache`` leaves it).
 
     ``drop=False`` keeps the pages (only the early writeback): ``benchmarks/write_behind.py`` compares the two.

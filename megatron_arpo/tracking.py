@@ -1,6 +1,6 @@
 """Run logging: console format, per-phase progress bars, one-line step summaries, metrics.jsonl, wandb.
 
-(ARCHITECTURE.md calls this ``logging.py``; it is named ``tracking`` so that running a file from inside
+(docs/design/architecture.md §1: planned as ``logging.py``; it is named ``tracking`` so that running a file from inside
 the package can never shadow the standard library's ``logging``.)
 
 - ``metrics.jsonl`` in the run directory gets one JSON object per step, flushed and fsynced, so a run

@@ -81,7 +81,7 @@ logger = logging.getLogger(__name__)
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 # Local-spec attention materialises [rows, heads/tp, s, s] scores (plus softmax and its grad): about
-# 30 B per token^2 per layer measured (FAKE_CUDA.md), 1.9 GiB per layer at 8192 tokens.
+# 30 B per token^2 per layer measured (docs/design/fake_cuda.md §3), 1.9 GiB per layer at 8192 tokens.
 LOCAL_ATTENTION_MAX_TOKENS = 8192
 
 

@@ -1,7 +1,7 @@
 """GRPO outcome advantages, one value per trajectory.
 
 Variant: verl's ``compute_grpo_outcome_advantage`` as the ARPO/AEPO reference uses it
-(ARPO_REFERENCE.md §3.1):
+(docs/design/arpo_reference.md §3.1):
 
     A_i = (r_i - mean_g) / (std_g + eps)      std_g unbiased (N - 1)
     A_i = r_i - mean_g                         when ``norm_by_std`` is False

@@ -1,6 +1,6 @@
 """Branch decision rules for ARPO/AEPO rollouts and the recorded random stream they draw from.
 
-Rules (ARPO_REFERENCE.md §2.5, §4.1, §4.2), with ΔH = h_now - h0 (current segment entropy minus the
+Rules (docs/design/arpo_reference.md §2.5, §4.1, §4.2), with ΔH = h_now - h0 (current segment entropy minus the
 trajectory's first-segment baseline), β = ``entropy_weight``, τ = ``threshold``:
 
 * ``variant="arpo"``: s = clip(U - β·ΔH, 0, 1); branch iff s <= τ. P(branch) = clip(τ + β·ΔH, 0, 1).

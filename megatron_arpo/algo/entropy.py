@@ -2,7 +2,7 @@
 
 Estimators (select with ``estimator=``):
 
-``reference`` (default) — exactly the ARPO reference's value (ARPO_REFERENCE.md §2.3):
+``reference`` (default) — exactly the ARPO reference's value (docs/design/arpo_reference.md §2.3):
     take the first ``min(window, len)`` generated positions, pool every log-prob the engine returned
     there (top-k alternatives plus the sampled token when it is not among them), and return
     ``-Σ exp(l)·l / ln|V|`` (0 for an empty segment). This is a *sum* of truncated entropies over up to

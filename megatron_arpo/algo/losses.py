@@ -1,6 +1,6 @@
 """Token-level policy losses for ARPO (PPO with dual clip) and AEPO, KL penalties, entropy.
 
-Variants implemented (ARPO_REFERENCE.md §3.2, §4.3):
+Variants implemented (docs/design/arpo_reference.md §3.2, §4.3):
 
 * ``policy_loss`` — verl 0.4 ``compute_policy_loss`` as ARPO ships it: ratio r = exp(logp - old_logp),
   L = max(-A·r, -A·clip(r, 1-eps_low, 1+eps_high)), and for A < 0 the dual clip

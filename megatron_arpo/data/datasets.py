@@ -1,6 +1,6 @@
 """Prompt datasets for RL: the ARPO RL parquet layout and plain question/answer JSONL.
 
-ARPO parquet rows (ARPO_REFERENCE.md §7) carry ``prompt`` (chat messages, system + user),
+ARPO parquet rows (docs/design/arpo_reference.md §7) carry ``prompt`` (chat messages, system + user),
 ``reward_model.ground_truth``, ``data_source``, ``ability`` and ``extra_info``. Every shipped row has its
 ``\\boxed`` corrupted into a backspace (0x08) followed by ``oxed`` (a non-raw Python string, Q13); we
 repair it on load so training and evaluation see the same prompt.

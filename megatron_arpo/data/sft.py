@@ -23,7 +23,7 @@ When the template's generation prompt opens a thinking block (QwQ: ``<think>\\n`
 (counted in ``prefix_stripped``). Tool results inside an assistant turn — each ``<result>…</result>`` block
 with the whitespace before it — are re-spliced by `TagProtocol.encode_written_response`: mask 0, the same
 tokens the rollout splices for that payload (template text, payload as plain text), and the text after
-``</result>`` is trained again, exactly as in RL (ARPO_REFERENCE.md §3.2). An unclosed ``<result>`` masks
+``</result>`` is trained again, exactly as in RL (docs/design/arpo_reference.md §3.2). An unclosed ``<result>`` masks
 the rest of the turn.
 
 Conversations longer than ``max_tokens`` are truncated (counted); ones left with no trained token are

@@ -1,4 +1,4 @@
-"""Fake CUDA: the actor's GPU code paths run on a machine with no GPU (docs/fake_cuda.md).
+"""Fake CUDA: the actor's GPU code paths run on a machine with no GPU (docs/design/fake_cuda.md).
 
 - ``harness``: fake CUDA devices, a fake process group and the collective checker;
 - ``reads`` / ``gaps``: data-dependent reads of fake tensors, and the harness's documented gaps;

@@ -1,4 +1,4 @@
-// Fake CUDA device support for a CPU-only torch build: used by megatron_arpo/actor/fake_cuda.py (the fake-CUDA tier and plan --measure).
+// Fake CUDA device support for a CPU-only torch build: used by megatron_arpo/fake_cuda/harness.py (the fake-CUDA tier and plan --measure).
 //
 // Only FakeTensorMode tensors ever live on "cuda" with this loaded: nothing here allocates device memory or
 // runs a kernel. A CPU-only libtorch lacks two things that fake cuda tensors still need:

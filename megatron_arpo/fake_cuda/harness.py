@@ -3,7 +3,7 @@
 Our users run the actor on GPUs; this machine has none. This harness makes the actor's *GPU* branches
 run here: ``torch.cuda.is_available()`` is True, devices are ``cuda:N``, the process group claims NCCL,
 parameters are bf16 on the device. It is built from the facts measured in
-``shared/design/FAKE_CUDA.md``:
+``docs/design/fake_cuda.md``:
 
 - Tensors are ``FakeTensorMode(avoid_device_init=True)`` fakes: shapes, dtypes and devices are real,
   storage is not (no memory, no arithmetic). Mixing a cuda and a cpu tensor raises, as on a GPU.

@@ -16,7 +16,7 @@ Differences from the reference that do not change any score:
     returns a float, the details carry the key `f1`, and results are logged at DEBUG level;
   - box-extraction failures carry a readable reason instead of a bare assertion message.
 
-Quirks reproduced on purpose (reference §5 and Q14); a fixed reward belongs in a new module, not here,
+Quirks reproduced on purpose (docs/design/arpo_reference.md §5 and Q14); a fixed reward belongs in a new module, not here,
 so that published hyperparameters keep their meaning:
   1. Format gate, checked in this order on the raw text: count(`<think>`) == count(`</think>`) (else
      "not paired"), then both >= 1 (else "not found"); exactly one `<answer>` and one `</answer>`; every

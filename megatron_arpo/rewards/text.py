@@ -11,7 +11,7 @@ Token F1 (`token_f1`) is the HotpotQA variant of SQuAD F1: multiset overlap of w
 normalised strings, plus the rule that when either normalised string is `yes`, `no` or `noanswer` and
 the two differ, the score is 0. The ARPO training reward uses exactly this F1.
 
-Answer extraction (`extract_answer`) follows the ARPO evaluation code (reference §9):
+Answer extraction (`extract_answer`) follows the ARPO evaluation code (docs/design/arpo_reference.md §9):
   1. if the text has `<answer>...</answer>` spans, take the LAST one; inside it take the last
      `\\boxed{...}` (brace-matched; if the braces never close, everything after `\\boxed{` minus one
      trailing `}`), and unwrap an outer `\\text{...}`; if it has no `\\boxed{`, the stripped raw span;

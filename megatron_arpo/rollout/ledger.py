@@ -9,7 +9,7 @@ canonical rank and decisions resolve in rank order, whatever order they were rea
     rank of a decision = (k, i)    k = tool results on the trajectory's path at the decision (inherited
                                        ones included), i = the trajectory's creation index in its prompt
 
-This is the reference's order (ARPO_REFERENCE.md §2.4-2.5: rounds, then trajectory index within the
+This is the reference's order (docs/design/arpo_reference.md §2.4-2.5: rounds, then trajectory index within the
 round; a copy forked after result k joins round k + 1 like here), without its barrier. A decision
 resolves once nothing can still produce an earlier-ranked one: every live trajectory's next decision
 (its *frontier*) ranks after it. A live trajectory that registered its decision at k cannot decide

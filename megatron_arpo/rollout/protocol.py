@@ -1,6 +1,6 @@
 """The tool-tag protocol: stop strings, tool-call detection, result splicing (rollout, evaluation and SFT).
 
-Layout (ARPO_REFERENCE.md §1): the model writes ``<tag>query</tag>`` for a tag of the enabled tools; the
+Layout (docs/design/arpo_reference.md §1): the model writes ``<tag>query</tag>`` for a tag of the enabled tools; the
 closing tag stops generation; the environment appends ``" <result>\\n{payload}\\n</result>"`` and
 generation resumes right after it. Published Qwen tokenizers have no tokens for these tags: ``</python>``
 is ``</``, ``python``, ``>`` and merges with its neighbours (``}</`` is one token, so is ``>\\n``). So

@@ -4,7 +4,7 @@ Per prompt there is a global budget ``n`` of trajectories. ``initial_rollouts`` 
 rest come from branches (copies forked at a tool-result boundary) and, when every trajectory of the prompt
 has ended with budget left, from fresh rollouts. Every prompt ends with exactly ``n`` trajectories.
 
-Rules, and where they differ from the reference (ARPO_REFERENCE.md §2, §4, §12):
+Rules, and where they differ from the reference (docs/design/arpo_reference.md §2, §4, §12):
 
 - **No round barrier.** A trajectory generates a segment (until a tool closing tag, EOS or its budget),
   runs its tool call, splices the result and continues as soon as its own result is back; the engine

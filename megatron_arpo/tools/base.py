@@ -1,7 +1,7 @@
 """Tool interface, results and the executor that every rollout tool call goes through.
 
 A `Tool` turns one query (the text between `<tag>` and `</tag>`) into a `ToolResult`. The
-`ToolExecutor` wraps a set of tools with the policy the reference lacks (ARPO_REFERENCE.md §2.6, Q5, Q9):
+`ToolExecutor` wraps a set of tools with the policy the reference lacks (docs/design/arpo_reference.md §2.6, Q5, Q9):
 
 - bounded concurrency: one `asyncio.Semaphore` shared by all tools of the executor;
 - an enforced per-call timeout (`asyncio.wait_for`); a call that runs out of time returns a result with

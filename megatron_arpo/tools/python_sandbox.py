@@ -1,5 +1,5 @@
 """Python code-execution tool: one isolated, limited bubblewrap run per call (the reference ran model code
-unconfined, §6.1, Q9).
+unconfined, docs/design/arpo_reference.md §6.1, Q9).
 
 Every call starts a fresh sandbox (containment.py): its own user, PID, mount, IPC, network, UTS and
 cgroup namespaces, a read-only view of the interpreter only, a size-capped private scratch /tmp, no

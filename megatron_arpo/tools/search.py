@@ -1,7 +1,7 @@
 """Search tool with pluggable backends: local BM25, a FlashRAG-style HTTP retriever, Bing via Bright Data.
 
 `SearchTool` normalises the query the way the reference's training tool does (strip, then drop every
-double quote: ARPO_REFERENCE.md §6.2, V14); the normalised query is both the cache key and what the
+double quote: docs/design/arpo_reference.md §6.2, V14); the normalised query is both the cache key and what the
 backend receives. Passages are rendered one per line as `Page {i}: {title}: {text}` (`Page {i}: {text}`
 when a passage has no title), each cut to `result_chars`; no passages gives `No search results found.`
 The reference shows web snippets without titles; titles are kept here because local corpora (wiki

@@ -1,6 +1,6 @@
 """The actor's PPO loss at TP=2 and PP=2 against a naive per-sequence loss computed independently.
 
-The expectation is written here from the formulas (ARPO_REFERENCE.md §3.2: PPO clip with dual clip c = 3 for
+The expectation is written here from the formulas (docs/design/arpo_reference.md §3.2: PPO clip with dual clip c = 3 for
 negative advantages, token-mean over the mini-batch's loss tokens; k3 "low_var_kl" to a reference, clamped to
 [-10, 10]) with plain torch in float64, one sequence and one token at a time, on log-probs from HF transformers
 (the same weights): neither the actor nor ``megatron_arpo.algo.losses`` computes it. One mini-batch holds the

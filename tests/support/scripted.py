@@ -1,6 +1,6 @@
 """A scripted engine with `VllmEngine`'s interface, and a one-character-per-token codec for it.
 
-Used by the scheduler's bookkeeping tests (ARPO_REFERENCE.md §11.7) and by benchmarks/rollout.py, where
+Used by the scheduler's bookkeeping tests (docs/design/arpo_reference.md §11.7) and by benchmarks/rollout.py, where
 the comparison must be deterministic. The "policy" is a function of the context: ``script(context_ids,
 request) -> ScriptedStep`` gives the intended continuation and, per position, the top-k log-probs the
 engine reports. The engine then behaves like vLLM 0.32: it emits that continuation until a token in

@@ -7,7 +7,7 @@ starts, in the foreground under its own ``Popen`` handles, ``slurmctld`` and two
 ``SLURM_CONF``; ``cluster.env`` holds it and ``start()`` exports it into ``os.environ`` (restored by
 ``stop()``), so ``sbatch`` from the tests — and jobs, which inherit the submitter's environment — use it.
 
-Facts this relies on are in ``shared/design/SLURM_LOCAL.md``. What it does besides:
+Facts this relies on are in ``docs/design/slurm_local.md``. What it does besides:
 - ``munged`` is started only when no munge daemon answers already; ``stop()`` stops it only if it
   started it.
 - ``127.0.0.1 node1 node2`` is appended to /etc/hosts in place when missing (it may be a bind mount, so

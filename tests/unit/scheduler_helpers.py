@@ -1,5 +1,5 @@
 """Shared pieces of the scheduler tests: the §11.7 scripted policy, a latency-controlled search tool, scripted U
-streams, and record checks (ARPO_REFERENCE.md §11.7)."""
+streams, and record checks (docs/design/arpo_reference.md §11.7)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from megatron_arpo.tools.base import Tool, ToolExecutor, ToolResult
 
 CODEC = CharCodec()
 RESULT = CODEC.token_id("<result>")
-V98 = 98  # |V| of the reference harness (ARPO_REFERENCE.md §11.7)
+V98 = 98  # |V| of the reference harness (docs/design/arpo_reference.md §11.7)
 
 
 def table(probs):

@@ -1,4 +1,4 @@
-"""GRPO advantages against the reference cases of ARPO_REFERENCE.md §11.2."""
+"""GRPO advantages against the reference cases of docs/design/arpo_reference.md §11.2."""
 
 from __future__ import annotations
 

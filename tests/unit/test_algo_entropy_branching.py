@@ -1,4 +1,4 @@
-"""Segment entropy (§11.3), branch rules (§11.4), AEPO initial rollouts (§11.5), BranchRng."""
+"""Segment entropy (docs/design/arpo_reference.md §11.3), branch rules (§11.4), AEPO initial rollouts (§11.5), BranchRng."""
 
 from __future__ import annotations
 

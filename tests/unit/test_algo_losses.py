@@ -1,6 +1,6 @@
 """Policy loss (PPO/dual clip, AEPO clip), aggregation, KL kinds, entropy-aware advantages, token entropy.
 
-Reference values: ARPO_REFERENCE.md §11.6 (single sequence, r = [0.5, 0.9, 1.0, 1.1, 1.3, 2.0, 4.0],
+Reference values: docs/design/arpo_reference.md §11.6 (single sequence, r = [0.5, 0.9, 1.0, 1.1, 1.3, 2.0, 4.0],
 eps = 0.2, c = 3, token-mean over 7 tokens, gradients are d loss / d logpi_t).
 """
 

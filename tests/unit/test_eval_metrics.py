@@ -1,4 +1,4 @@
-"""Evaluation metrics: answer extraction (V1-V5 of ARPO_REFERENCE.md §11.8), QA metrics (V7-V9, with our
+"""Evaluation metrics: answer extraction (V1-V5 of docs/design/arpo_reference.md §11.8), QA metrics (V7-V9, with our
 documented V7 difference), math equivalence, pass@k against brute-force enumeration, mean±std."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Rewards: the reference ARPO reward (cases R1-R18 of ARPO_REFERENCE.md §11.1 and its quirks), the math
+"""Rewards: the reference ARPO reward (cases R1-R18 of docs/design/arpo_reference.md §11.1 and its quirks), the math
 and QA rewards, and the reward registry (built-in names, custom dotted paths, error messages)."""
 
 from __future__ import annotations

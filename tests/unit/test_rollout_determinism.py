@@ -1,7 +1,7 @@
 """Deterministic branch allocation (rollout/ledger.py): the tree is a function of the seed, the prompts and the
 policy, never of tool or engine latencies; the AEPO switch and the consecutive-branch penalty.
 
-Scenarios with hand-derived expectations (the scripted policy of ARPO_REFERENCE.md §11.7: with r results in the
+Scenarios with hand-derived expectations (the scripted policy of docs/design/arpo_reference.md §11.7: with r results in the
 context a segment searches for r < R and answers after; top-k tables [.9, .1], [.5, .5], [1.0] give the
 entropies H_R0 = 1.4180, H_R1 = 3.0236, 0 at |V| = 98; U values come from scripted per-trajectory streams):
 

@@ -1,4 +1,4 @@
-"""ARPO scheduler bookkeeping with the scripted engine (ARPO_REFERENCE.md §11.7 S1, S2, S4-S7) and records."""
+"""ARPO scheduler bookkeeping with the scripted engine (docs/design/arpo_reference.md §11.7 S1, S2, S4-S7) and records."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Replaying saved rollout records (megatron_arpo.trainer.replay; `train --replay-rollouts DIR`).
 
-A real scheduler run (the §11.7 scripted policy, ARPO branching) is recorded with the trainer's writer and
+A real scheduler run (the docs/design/arpo_reference.md §11.7 scripted policy, ARPO branching) is recorded with the trainer's writer and
 read back: the tree (record digest), the scheduler counters and the train batch equal the live run's. Bad
 directories and records are input errors (exit 2 from the CLI, naming the fix). The full train loop on a
 replayed step is tests/e2e/test_train_replay.py.

@@ -40,7 +40,7 @@ def test_make_train_batch_is_grpo_over_prompt_groups_with_prompt_and_tool_tokens
     assert batch["input_ids"][1] == [1, 2, 3, 7, 9, 9, 5]
     assert batch["loss_mask"][1] == [0, 0, 0, 1, 0, 0, 1]
     assert batch["group_ids"] == [0, 0, 1, 1]
-    # By hand (§11.2 convention): group 0 = [1, 0]: mean 0.5, unbiased std sqrt(0.5), eps 1e-6; group 1: std 0.
+    # By hand (docs/design/arpo_reference.md §11.2 convention): group 0 = [1, 0]: mean 0.5, unbiased std sqrt(0.5), eps 1e-6; group 1: std 0.
     a = 0.5 / (math.sqrt(0.5) + 1e-6)
     assert batch["advantages"] == pytest.approx([a, -a, 0.0, 0.0], abs=1e-6)  # float32 advantages
     assert batch["advantages"][0] > 0 > batch["advantages"][1] and batch["advantages"][2] == 0.0
