@@ -25,7 +25,10 @@ fraction); running it again with other settings is an error that asks for a fres
 done-markers would otherwise skip stages whose outputs no longer match.
 
 ``--seed S`` changes the task set, the initial weights, the SFT/RL data order and the rollout sampling; the
-run directory becomes ``<trainer.run_dir>-seed<S>`` unless ``--run-dir`` is given. Paths of the config
+run directory becomes ``<trainer.run_dir>-seed<S>`` unless ``--run-dir`` is given. ``--seeds 0,1,2`` runs the
+demo once per seed (each in its ``-seed<S>`` directory, finished stages reused) and writes the table of the
+validation reward before and after RL per seed, with the mean and the spread, to
+``<trainer.run_dir>-seeds.md`` (and ``.json``): the figures the docs quote. Paths of the config
 (data files, corpus, checkpoints) are replaced by the ones inside the run directory.
 """
 
@@ -41,6 +44,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from megatron_arpo.fsutil import atomic_write
 from megatron_arpo.redaction import install_log_redaction
 from megatron_arpo.command_args import PROG, add_config_arguments
 
@@ -346,6 +350,57 @@ def write_summary(demo: Demo) -> dict:
     return summary
 
 
+def _mean_spread(values: Sequence[float]) -> tuple[float, float, float, float]:
+    """Mean, population standard deviation, min and max."""
+    mean = sum(values) / len(values)
+    return mean, (sum((v - mean) ** 2 for v in values) / len(values)) ** 0.5, min(values), max(values)
+
+
+def seeds_table(summaries: Sequence[dict], config: str) -> tuple[str, dict]:
+    """The per-seed table of validation reward and accuracy (all sources) before and after RL, with spread."""
+    rows, cols = [], {"reward before": [], "reward after": [], "gain": [], "accuracy before": [], "accuracy after": []}
+    for s in summaries:
+        b, a = s["before"].get("all", {}), s["after"].get("all", {})
+        vals = [b.get("reward"), a.get("reward"), None, b.get("accuracy"), a.get("accuracy")]
+        if vals[0] is not None and vals[1] is not None:
+            vals[2] = vals[1] - vals[0]
+        for key, value in zip(cols, vals):
+            if value is not None:
+                cols[key].append(value)
+        rows.append(f"| {s['seed']} | " + " | ".join(_f(v) for v in vals) + " |")
+    stats = {key: dict(zip(("mean", "std", "min", "max"), _mean_spread(v))) for key, v in cols.items() if v}
+    header = "| seed | " + " | ".join(cols) + " |"
+    lines = [f"# megatron-arpo demo over seeds {', '.join(str(s['seed']) for s in summaries)}", "",
+             f"config `{config}`; greedy validation, all data sources; "
+             f"`{PROG} demo --config {config} --seeds {','.join(str(s['seed']) for s in summaries)}`", "",
+             header, "|" + "---|" * (len(cols) + 1), *rows]
+    for stat in ("mean", "std", "min", "max"):
+        lines.append(f"| {stat} | " + " | ".join(_f(stats[k][stat]) if k in stats else "-" for k in cols) + " |")
+    return "\n".join(lines) + "\n", {"seeds": [s["seed"] for s in summaries], "columns": cols, "stats": stats}
+
+
+def run_seeds(args: argparse.Namespace, cfg: Any, stages: list[str], seeds: list[int]) -> int:
+    summaries = []
+    for seed in seeds:
+        demo = Demo(args.config, args.overrides, Path(f"{cfg.run_dir}-seed{seed}"), seed, args.sft_tool_fraction,
+                    tokenizer=args.tokenizer)
+        logger.info("demo seed %d of %s: %s", seed, seeds, demo.run_dir)
+        try:
+            summaries.append(demo.run(stages))
+        except RuntimeError as exc:
+            print(f"{PROG} demo: error (seed {seed}): {exc}", file=sys.stderr)
+            return 1
+    text, data = seeds_table(summaries, args.config)
+    base = Path(f"{cfg.run_dir}-seeds")
+    with atomic_write(base.with_suffix(".md")) as fh:
+        fh.write(text)
+    with atomic_write(base.with_suffix(".json")) as fh:
+        fh.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    print(text, end="")
+    print(f"\nseed table: {base.with_suffix('.md')}")
+    return 0
+
+
 def demo_main(argv: Sequence[str]) -> int:
     from megatron_arpo.data.demo_tasks import DEFAULT_SFT_TOOL_FRACTION
     from megatron_arpo.tiny.checkpoint import TOKENIZER_KINDS
@@ -354,6 +409,9 @@ def demo_main(argv: Sequence[str]) -> int:
     add_config_arguments(parser)
     parser.add_argument("--seed", type=int, default=None,
                         help="task set / init / data order / sampling seed (default: the config's seeds, data 0)")
+    parser.add_argument("--seeds", default=None, metavar="S,S,...",
+                        help="run the demo once per seed and write the table with mean and spread "
+                             "(<trainer.run_dir>-seeds.md); each seed's run directory is <trainer.run_dir>-seed<S>")
     parser.add_argument("--run-dir", default=None, help="default: trainer.run_dir, with -seed<S> for --seed S")
     parser.add_argument("--sft-tool-fraction", type=float, default=DEFAULT_SFT_TOOL_FRACTION,
                         help="share of the SFT trajectories that call the tool")
@@ -375,6 +433,14 @@ def demo_main(argv: Sequence[str]) -> int:
     bad = [s for s in stages if s not in STAGES]
     if bad:
         parser.error(f"--stages: unknown {bad}; choose from {','.join(STAGES)}")
+    if args.seeds is not None:
+        try:
+            seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+        except ValueError:
+            parser.error(f"--seeds: give comma-separated integers, e.g. 0,1,2 (got {args.seeds!r})")
+        if not seeds or len(set(seeds)) != len(seeds) or args.seed is not None or args.run_dir:
+            parser.error("--seeds: give distinct seeds, without --seed or --run-dir")
+        return run_seeds(args, cfg, stages, seeds)
     demo = Demo(args.config, args.overrides, run_dir, args.seed, args.sft_tool_fraction, tokenizer=args.tokenizer)
     start = time.perf_counter()
     try:
