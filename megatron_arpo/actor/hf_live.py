@@ -35,7 +35,7 @@ from megatron_arpo.hf import mapping
 from megatron_arpo.hf.mapping import check_hf_dtypes, validate_hf_checkpoint  # noqa: F401  (re-exported)
 from megatron_arpo.hf.checkpoint_io import HFCheckpointReader
 from megatron_arpo.model_config import ModelConfig
-from megatron_arpo.weight_sync.protocol import BufferPool, pack_in_order
+from megatron_arpo.weight_sync.protocol import BucketLayout, BufferPool, pack_in_order
 
 logger = logging.getLogger(__name__)
 
@@ -196,9 +196,11 @@ def plan_stage_buckets(rules: Sequence[mapping.BoundRule], cfg: ModelConfig, dty
 
 
 def _bucket_layout(bucket: Sequence[mapping.BoundRule], cfg: ModelConfig, dtype: torch.dtype,
-                   aliases: Mapping[str, Sequence[str]]) -> tuple[list[tuple[str, tuple[int, ...]]], int]:
-    layout = [item for rule in bucket for item in _hf_outputs(rule, cfg, dtype, aliases)]
-    return layout, sum(math.prod(shape) for _, shape in layout) * torch.empty((), dtype=dtype).element_size()
+                   aliases: Mapping[str, Sequence[str]]) -> BucketLayout:
+    outputs = [item for rule in bucket for item in _hf_outputs(rule, cfg, dtype, aliases)]
+    dtype_name = str(dtype).removeprefix("torch.")
+    return BucketLayout(tuple(name for name, _ in outputs), tuple(tuple(shape) for _, shape in outputs),
+                        (dtype_name,) * len(outputs))
 
 
 def max_bucket_bytes(cfg: ModelConfig, pp_size: int, dtype: torch.dtype, bucket_bytes: int,
@@ -208,20 +210,9 @@ def max_bucket_bytes(cfg: ModelConfig, pp_size: int, dtype: torch.dtype, bucket_
     sizes = [0]
     for stage in range(pp_size):
         rules = [r for r in mapping.rules_for_stage(bound, cfg, stage, pp_size) if r.hf_outputs]
-        sizes += [_bucket_layout(b, cfg, dtype, aliases)[1] for b in plan_stage_buckets(rules, cfg, dtype,
-                                                                                        bucket_bytes, aliases)]
+        sizes += [_bucket_layout(b, cfg, dtype, aliases).nbytes for b in plan_stage_buckets(rules, cfg, dtype,
+                                                                                            bucket_bytes, aliases)]
     return max(sizes)
-
-
-def _packed_views(flat: torch.Tensor, layout: Sequence[tuple[str, tuple[int, ...]]], dtype: torch.dtype
-                  ) -> list[tuple[str, torch.Tensor]]:
-    views, pos = [], 0
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    for name, shape in layout:
-        size = math.prod(shape) * itemsize
-        views.append((name, flat[pos:pos + size].view(dtype).view(shape)))
-        pos += size
-    return views
 
 
 def stage_hf_buckets(models, cfg: ModelConfig, bucket_bytes: int, *, tp_group, pp_rank: int, pp_size: int,
@@ -252,7 +243,8 @@ def stage_hf_buckets(models, cfg: ModelConfig, bucket_bytes: int, *, tp_group, p
     dtype = dtype or params[rules[0].megatron].dtype
     device = params[rules[0].megatron].device
     for bucket in plan_stage_buckets(rules, cfg, dtype, bucket_bytes, aliases):
-        layout, nbytes = _bucket_layout(bucket, cfg, dtype, aliases)
+        layout = _bucket_layout(bucket, cfg, dtype, aliases)
+        nbytes = layout.nbytes
         named = flat = views = out = wait = None  # this generator's references to the previous bucket (pool reuse)
         if receiving:
             if buffer is not None and buffer.numel() < nbytes:
@@ -263,7 +255,7 @@ def stage_hf_buckets(models, cfg: ModelConfig, bucket_bytes: int, *, tp_group, p
                 flat = pool.take(nbytes, device)
             else:
                 flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
-            named = _packed_views(flat, layout, dtype)
+            named = layout.views(flat)
         views = dict(named or ())
         in_flight: collections.deque = collections.deque()  # (rule, wait) of the gathers posted, in order
         for index, rule in enumerate(bucket + [None] * GATHERS_IN_FLIGHT):
@@ -327,13 +319,12 @@ def _broadcast_bucket(bucket: tuple[torch.Tensor, list] | None, src: int, group,
     """
     meta = [None]
     if bucket is not None:
-        flat, named = bucket
-        meta = [([(name, tuple(t.shape)) for name, t in named], named[0][1].dtype if named else torch.uint8,
-                 flat.numel())]
+        meta = [BucketLayout.of(bucket[1])]
     torch.distributed.broadcast_object_list(meta, src=src, group=group)
     if meta[0] is None:
         return None
-    layout, dtype, nbytes = meta[0]
+    layout = meta[0]
+    nbytes = layout.nbytes
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     if bucket is not None:
         flat = bucket[0] if bucket[0].device == device else bucket[0].to(device)
@@ -342,7 +333,7 @@ def _broadcast_bucket(bucket: tuple[torch.Tensor, list] | None, src: int, group,
     else:
         flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
     torch.distributed.broadcast(flat, src=src, group=group)
-    return bucket if bucket is not None else (flat, _packed_views(flat, layout, dtype))
+    return bucket if bucket is not None else (flat, layout.views(flat))
 
 
 def export_hf_buckets(models, model_cfg: ModelConfig, bucket_bytes: int = DEFAULT_BUCKET_BYTES, *,
