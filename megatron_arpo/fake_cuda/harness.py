@@ -271,7 +271,7 @@ class Violation:
 
 
 _HARNESS_FILES = tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
-                       for name in ("fake_cuda", "fake_reads", "fake_gaps"))
+                       for name in ("harness", "reads", "gaps"))
 
 
 def _call_site() -> str:
