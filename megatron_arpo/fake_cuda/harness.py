@@ -67,6 +67,7 @@ is already active in the process, since the two make opposite claims about CUDA.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import io
 import logging
@@ -146,7 +147,13 @@ def load_guard():
 
         build_dir.mkdir(parents=True, exist_ok=True)
         try:
-            module = load(name=name, sources=[str(GUARD_SOURCE)], build_directory=str(build_dir), verbose=False)
+            with open(build_dir / ".build.flock", "w") as held:
+                # torch's own build lock is a plain file ("lock"): a builder killed mid-build leaves it behind
+                # and every later load waits for it forever. Builders take this flock first (the kernel drops
+                # it with its process), so a torch lock found while holding it is stale.
+                fcntl.flock(held, fcntl.LOCK_EX)
+                (build_dir / "lock").unlink(missing_ok=True)
+                module = load(name=name, sources=[str(GUARD_SOURCE)], build_directory=str(build_dir), verbose=False)
         except Exception as exc:  # compiler errors, missing headers, ninja, linker: all mean "unavailable"
             _guard_error = (f"building {GUARD_SOURCE.name} in {build_dir} failed: {type(exc).__name__}: "
                             f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else exc!r}")

@@ -78,6 +78,23 @@ def test_no_compiler_means_unavailable_with_the_reason(tmp_path):
     assert "UNAVAILABLE no C++ compiler ('no-such-c++' not on PATH)" in proc.stdout, proc.stderr[-2000:]
 
 
+def test_a_build_lock_left_by_a_killed_builder_does_not_hang_the_next_load(tmp_path):
+    from megatron_arpo.fake_cuda.harness import guard_cache_key
+
+    probe = ("from megatron_arpo.fake_cuda.harness import load_guard, FakeCudaUnavailable\n"
+             "try:\n    load_guard()\n    print('LOADED')\nexcept FakeCudaUnavailable as exc:\n    print('UNAVAILABLE', exc)\n")
+    env = {**os.environ, "MEGATRON_ARPO_FAKE_CUDA_CACHE": str(tmp_path)}
+    first = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=600, env=env)
+    if "UNAVAILABLE" in first.stdout:
+        pytest.skip(f"fake CUDA harness unavailable: {first.stdout.strip()}")
+    assert "LOADED" in first.stdout, first.stderr[-2000:]
+    stale = tmp_path / guard_cache_key() / "lock"  # what torch's build baton leaves when its builder is killed
+    stale.touch()
+    second = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, env=env)
+    assert "LOADED" in second.stdout, second.stderr[-2000:]
+    assert not stale.exists()
+
+
 # ----------------------------------------------------------------------------------------- children
 def check_device(fc):
     import torch
