@@ -34,7 +34,9 @@ REPO = Path(__file__).resolve().parents[1]
 TOOLS = Path(__file__).resolve().parent
 DEFAULT_WHEELS = REPO / ".cache" / "gpu-wheels"
 DEFAULT_SITE = REPO / ".cache" / "gpu-site"
-PINNED = ("megatron_core-0.16.1", "packaging-")
+# megatron-core and its one hard dependency; psutil: Megatron's checkpoint writer process needs it (without it
+# the save hangs), and the GPU machine need not have it.
+PINNED = ("megatron_core-0.16.1", "packaging-", "psutil-")
 # Seconds per scenario (GPU, dry run); the run's --budget-s caps them as it is spent.
 LIMITS = {"numerics": (180, 150), "packed": (90, 90), "update": (75, 75), "resume": (120, 120),
           "conversion": (90, 90), "offload": (75, 75), "ipc": (90, 90), "memory": (180, 240),
@@ -59,7 +61,7 @@ def _importable(module: str, site: Path | None) -> bool:
 
 
 def install_wheels(wheels: Path, site: Path) -> str:
-    """megatron-core and packaging from ``wheels`` into ``site`` (no index, no dependencies)."""
+    """The ``PINNED`` wheels from ``wheels`` into ``site`` (no index, no dependencies)."""
     found = sorted(p for p in wheels.glob("*.whl")) if wheels.is_dir() else []
     missing = [name for name in PINNED if not any(p.name.startswith(name) for p in found)]
     if missing:
@@ -238,8 +240,8 @@ def main(argv=None) -> int:
                   "or use --dry-run here", file=sys.stderr)
             return 2
         site = args.site
-        setup = install_wheels(args.wheels, site) if not _importable("megatron.core", None) else \
-            "megatron-core already importable; wheels not installed"
+        setup = install_wheels(args.wheels, site) if not _importable("megatron.core, psutil", None) else \
+            "megatron-core and psutil already importable; wheels not installed"
     paths = [str(site)] if site else []
     env["PYTHONPATH"] = os.pathsep.join([*paths, str(REPO), str(TOOLS), *filter(None, [os.environ.get("PYTHONPATH")])])
     args.out.mkdir(parents=True, exist_ok=True)
