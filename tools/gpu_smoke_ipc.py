@@ -214,7 +214,7 @@ def run_ipc_syncs(worker, ctx, result, *, num_syncs: int, bucket_bytes: int) -> 
                     result.number("buckets", report["buckets"])
                     result.number("bytes_per_sync", report["bytes"])
                     result.number("first_sync_s", report["seconds"])
-                result.check(f"sync {sync_id}: every tensor arrived and its bytes match",
+                result.check(f"sync {sync_id + 1}: every tensor arrived and its bytes match",
                              done["verified"] == report["tensors"] == done["loaded"],
                              f"{done['verified']} verified, {done['loaded']} loaded, {report['tensors']} sent")
                 if sync_id < num_syncs - 1:
