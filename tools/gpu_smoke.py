@@ -20,6 +20,7 @@ import datetime
 import json
 import os
 import platform
+import shutil
 import signal
 import subprocess
 import sys
@@ -41,10 +42,10 @@ PINNED = ("megatron_core-0.16.1", "packaging-", "psutil-")
 LIMITS = {"numerics": (180, 150), "packed": (90, 90), "update": (75, 75), "resume": (120, 120),
           "conversion": (90, 90), "offload": (75, 75), "ipc": (90, 90), "memory": (180, 240),
           "throughput": (120, 150)}
+INJECTED = ("_fail", "_raise", "_hang", "_crash")  # tests only: a failing check, an exception, a crash, a hang
 INJECTED_LIMIT = 20
 DRY_DEVICE = {"memory": "fake", "throughput": "fake"}  # the rest run on the CPU (gloo) in the dry run
 MIN_SCENARIO_S = 20
-STATUSES = ("passed", "failed", "skipped", "error", "timeout")
 
 
 # ------------------------------------------------------------------------------------------- setup
@@ -223,8 +224,7 @@ def main(argv=None) -> int:
         return child_main(args.child, args.ctx, args.result)
     sys.path[:0] = [str(TOOLS), str(REPO)]
     names = list(dict.fromkeys(n.strip() for n in args.scenarios.split(",") if n.strip()))
-    import_names = set(LIMITS) | {"_fail", "_raise", "_hang", "_crash"}
-    unknown = [n for n in names if n not in import_names]
+    unknown = [n for n in names if n not in LIMITS and n not in INJECTED]
     if unknown or not names:
         _fail(f"unknown scenario(s) {unknown}; allowed: {', '.join(LIMITS)}")
     start = time.monotonic()
@@ -250,6 +250,7 @@ def main(argv=None) -> int:
     report = {"format": "megatron-arpo-gpu-smoke", "version": 1, "dry_run": args.dry_run,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "environment": environment(env), "setup": setup, "scenarios": []}
+
     def scenario(name: str) -> dict:
         limit = INJECTED_LIMIT if name.startswith("_") else LIMITS[name][1 if args.dry_run else 0]
         limit = min(limit, args.limit_s or limit)
@@ -274,6 +275,8 @@ def main(argv=None) -> int:
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         done = dict(zip(order, pool.map(scenario, order)))
     report["scenarios"] = [done[n] for n in names]
+    if args.work is None:  # checkpoints of several GB on a GPU run
+        shutil.rmtree(work, ignore_errors=True)
     bad = [s["name"] for s in report["scenarios"] if s["status"] not in ("passed", "skipped")]
     report["verdict"] = "pass" if not bad else f"FAIL ({', '.join(bad)})"
     report["wall_s"] = round(time.monotonic() - start, 1)

@@ -218,26 +218,28 @@ def device_memory() -> dict[str, int] | None:
             "device_used": total - free}
 
 
+def require_fake_cuda() -> None:
+    """Skip (with the reason) where the fake CUDA harness cannot be built; it loads it into this process."""
+    from megatron_arpo.fake_cuda.harness import FakeCudaUnavailable, load_guard
+
+    try:
+        load_guard()
+    except FakeCudaUnavailable as exc:
+        raise Skip(f"fake CUDA harness unavailable: {exc}") from exc
+
+
 @contextlib.contextmanager
 def device_session(ctx: Context):
-    """Fake CUDA for ``ctx.device == "fake"`` (this process becomes rank 0 of a one-GPU NCCL world)."""
+    """Fake CUDA for ``ctx.device == "fake"`` (this process becomes rank 0 of a one-GPU NCCL world; a CPU tensor
+    handed to an NCCL collective fails the scenario); nothing otherwise."""
     if ctx.device != "fake":
         yield None
         return
-    from megatron_arpo.fake_cuda.harness import FakeCudaUnavailable, fake_cuda
+    from megatron_arpo.fake_cuda.harness import fake_cuda
 
-    try:
-        session = fake_cuda(1, 0)
-        entered = session.__enter__()
-    except FakeCudaUnavailable as exc:
-        raise Skip(f"fake CUDA harness unavailable: {exc}") from exc
-    try:
-        yield entered
-    except BaseException:
-        session.__exit__(*sys.exc_info())
-        raise
-    else:
-        session.__exit__(None, None, None)
+    require_fake_cuda()
+    with fake_cuda(1, 0) as session:
+        yield session
 
 
 # ---------------------------------------------------------------------------------------- scenarios
@@ -506,6 +508,8 @@ def memory(ctx: Context, result: Result) -> None:
     total = torch.cuda.get_device_properties(0).total_memory if ctx.device == "cuda" else None
     if total is None:  # fake CUDA: the harness's card (an 80 GiB H100), in the child processes
         from megatron_arpo.fake_cuda.harness import DEVICE_MEMORY_BYTES as total
+
+        require_fake_cuda()
     result.number("card_bytes", total)
     shapes = sorted({layers_for(total, f) for f in MEMORY_FRACTIONS})
     for layers in shapes:
