@@ -13,7 +13,7 @@ CPU_LOCK := constraints/cpu.txt
 GPU_LOCK := constraints/gpu.txt
 PYTEST_ARGS ?=
 
-.PHONY: demo test bench venv gpu-env lock slurm-packages sandbox-packages clean-venv
+.PHONY: demo test bench venv gpu-env lock wheels gpu-smoke slurm-packages sandbox-packages clean-venv
 
 venv: $(STAMP)
 
@@ -62,6 +62,31 @@ gpu-env:
 # node, downloaded for metadata only). To upgrade a package: change its range in setup.py, then `make lock`.
 lock:
 	$(PYTHON) tools/lock.py
+
+# The GPU smoke run (tools/gpu_smoke.py, docs/gpu_smoke.md) on a lent GPU machine: Python 3.12 with a CUDA
+# torch and transformers, no network. `make wheels` (here, with network) downloads the pinned megatron-core,
+# packaging and psutil (Megatron's checkpoint writer needs it and hangs without it) wheels for CPython 3.12
+# manylinux into WHEELS_DIR (megatron-core 0.16.1 publishes its cp312 wheel tagged manylinux_2_24/2_28 only,
+# hence both platforms); carry that folder to the GPU machine. `make gpu-smoke` there installs them with
+# --no-index into SMOKE_SITE (torch stays the machine's own) and runs every scenario.
+WHEELS_DIR ?= .cache/gpu-wheels
+SMOKE_SITE ?= .cache/gpu-site
+SMOKE_OUT ?= outputs/gpu-smoke
+SMOKE_PY ?= python3
+SMOKE_ARGS ?=
+MEGATRON_CORE_VERSION := 0.16.1
+PACKAGING_VERSION := 26.4
+PSUTIL_VERSION := 7.2.2
+
+wheels:
+	@mkdir -p $(WHEELS_DIR)
+	$(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
+		--platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 --dest $(WHEELS_DIR) \
+		megatron-core==$(MEGATRON_CORE_VERSION) packaging==$(PACKAGING_VERSION) psutil==$(PSUTIL_VERSION)
+	@ls -l $(WHEELS_DIR)
+
+gpu-smoke:
+	$(SMOKE_PY) tools/gpu_smoke.py --wheels $(WHEELS_DIR) --site $(SMOKE_SITE) --out $(SMOKE_OUT) $(SMOKE_ARGS)
 
 # Debian's Slurm packages, for the real 2-node test cluster (tests/integration); only as root.
 slurm-packages:

@@ -21,6 +21,7 @@ BASE = [
     "pyyaml>=6.0",
     "wandb>=0.17",
     "numpy",
+    "psutil",  # megatron-core's dist-checkpoint writer process needs it (a save hangs without it)
     "pandas",
     "pyarrow",
     "tokenizers>=0.19",

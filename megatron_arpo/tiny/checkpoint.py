@@ -102,13 +102,18 @@ def _resolve(model_config: ModelConfig | str | os.PathLike) -> ModelConfig:
 # Tokenizers a tiny checkpoint can carry. "local": the small trained tokenizer (vocabulary = vocab_size,
 # tool tags as added tokens; fast). "qwen3" / "qwq": the real Qwen BPE (151,643 regular tokens + 26 added,
 # megatron_arpo.tiny.qwen_tokenizer) with that release's chat template and generation_config; the
-# model config must then have the release's padded vocab_size (151,936 Qwen3, 152,064 QwQ-32B).
-TOKENIZER_KINDS = ("local", "qwen3", "qwq")
+# model config must then have the release's padded vocab_size (151,936 Qwen3, 152,064 QwQ-32B). "none": no
+# tokenizer files (weights and configs only: numerics checks at real vocabulary sizes, tools/gpu_smoke.py).
+TOKENIZER_KINDS = ("local", "qwen3", "qwq", "none")
 
 
 def _write_tokenizer(kind: str, cfg: ModelConfig, out: Path) -> dict:
     if kind == "local":
         return build_tokenizer(cfg.vocab_size, out)
+    if kind == "none":  # the model config's ids where the vocabulary holds them; no pad (HF's padding_idx)
+        ids = {k: getattr(cfg, k) for k in ("bos_token_id", "eos_token_id")}
+        ids = {k: v if v is not None and v < cfg.vocab_size else None for k, v in ids.items()}
+        return {**ids, "pad_token_id": None, "generation_config": dict(ids)}
     if kind not in TOKENIZER_KINDS:
         raise ValueError(f"tokenizer {kind!r} is not one of {', '.join(TOKENIZER_KINDS)}")
     from megatron_arpo.tiny.qwen_tokenizer import ADDED_TOKENS, build_qwen_tokenizer

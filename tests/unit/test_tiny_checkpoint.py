@@ -263,3 +263,20 @@ def test_importing_the_tiny_package_is_light():
             "assert not heavy, heavy")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO_ROOT,
                    env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
+
+
+def test_tokenizer_none_writes_weights_and_configs_only(tmp_path):
+    """Real-vocabulary ids beyond a narrowed vocabulary are dropped (transformers' padding_idx must fit)."""
+    import dataclasses
+
+    from transformers import AutoModelForCausalLM
+
+    cfg = dataclasses.replace(load_model_config("qwen3-0.6b"), name="narrow", hidden_size=64, num_hidden_layers=1,
+                              num_attention_heads=2, num_key_value_heads=1, head_dim=32, intermediate_size=128,
+                              vocab_size=256)
+    out = build_tiny_checkpoint(cfg, tmp_path / "ckpt", tokenizer="none")
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
+    config = json.loads((out / "config.json").read_text())
+    assert config["bos_token_id"] is None and config["eos_token_id"] is None and config["pad_token_id"] is None
+    model = AutoModelForCausalLM.from_pretrained(str(out))
+    assert model.config.vocab_size == 256
