@@ -108,11 +108,11 @@ def read_dcp_metadata(path: Path) -> tuple[dict[str, TensorInfo], dict]:
         with open(path, "rb") as fh:
             metadata = dcp_pickles.load_metadata(fh)
         tensors = _tensor_infos(metadata, lambda md: type(md).__name__ == "TensorStorageMetadata")
-    except dcp_pickles.UnknownTorchName:  # another torch version's layout: DCP's own reader
-        from torch.distributed.checkpoint import FileSystemReader
+    except dcp_pickles.UnknownTorchName:  # another torch version's layout: torch's classes, still allow-listed
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-        metadata = FileSystemReader(str(path.parent)).read_metadata()
+        with open(path, "rb") as fh:
+            metadata = dcp_pickles.load_torch_metadata(fh)
         tensors = _tensor_infos(metadata, lambda md: isinstance(md, TensorStorageMetadata))
     storage = {(index.fqn, tuple(index.offset or ())): info for index, info in metadata.storage_data.items()}
     return tensors, storage
@@ -143,6 +143,9 @@ class DistCheckpointReader:
                                     f"(interrupted save or copy?)")
         try:
             self.tensors, self._storage = read_dcp_metadata(meta_path)
+        except dcp_pickles.ForeignPickleError as exc:
+            raise ValueError(f"{meta_path}: {str(exc).removeprefix(f'{meta_path}: ')}; not converted (a checkpoint "
+                             f"pickle may name only torch's checkpoint classes)") from None
         except Exception as exc:  # pickle raises many types on a damaged file
             raise ValueError(f"{meta_path}: cannot be read ({type(exc).__name__}: {exc}); the checkpoint is corrupt "
                              f"or was copied incompletely, copy it again") from exc

@@ -229,6 +229,126 @@ CASES = [
 ]
 
 
+def _evil_pickle(marker: Path, torch_name_first: bool = False) -> bytes:
+    """A pickle that runs ``touch marker`` when loaded unrestricted, optionally naming a torch class first."""
+    head = b"ctorch\nnn\n0" if torch_name_first else b""
+    return head + b"cposix\nsystem\n(Vtouch " + str(marker).encode() + b"\ntR."
+
+
+def _crafted_checkpoint(what: str, torch_name_first: bool = False) -> Callable[[Path], dict]:
+    """A training checkpoint ``step-3`` whose model ``.metadata`` (or ``common.pt``) would run ``touch``."""
+    def make_cfg(d: Path) -> dict:
+        import torch
+        import torch.distributed.checkpoint as dcp
+
+        step = d / "run" / "checkpoints" / "step-3"
+        dcp.save({"w": torch.arange(256, dtype=torch.float32)}, checkpoint_id=str(step / "model"))
+        (step / "COMPLETE").write_text("3\n")
+        (step / "model" / what).write_bytes(_evil_pickle(d / "pwned", torch_name_first))
+        return _base(d, trainer={"train_batch_size": 1}, actor={"mini_batch_size": 1})
+    return make_cfg
+
+
+def _crafted_conversion(d: Path) -> list[str]:
+    from conversion.dist_ckpt import convert_hf_to_megatron
+    from megatron_arpo.tiny.checkpoint import tiny_checkpoint
+
+    mg = convert_hf_to_megatron(tiny_checkpoint("tiny-qwen3"), d / "mg")
+    (Path(mg) / ".metadata").write_bytes(_evil_pickle(d / "pwned", torch_name_first=True))
+    return ["megatron-to-hf", "--megatron", str(mg), "--out", str(d / "hf-out")]
+
+
+# Code from a checkpoint (issue 29, item 3): refused with the file named, and nothing ran.
+CODE_CASES = [
+    Case("train resuming a .metadata that runs code", train(_crafted_checkpoint(".metadata"), "--resume", "auto"),
+         ("checkpoint {d}/run/checkpoints/step-3 is damaged", "step-3/model/.metadata: refusing to load posix.system")),
+    Case("train resuming a .metadata naming torch first", train(_crafted_checkpoint(".metadata", True), "--resume",
+                                                                 "auto"),
+         ("step-3/model/.metadata: refusing to load torch.nn",)),
+    Case("megatron-to-hf of a .metadata naming torch first", _crafted_conversion,
+         ("{d}/mg/.metadata: refusing to load torch.nn", "not converted")),
+]
+
+
+@pytest.mark.parametrize("case", CODE_CASES, ids=[c.name for c in CODE_CASES])
+def test_a_checkpoint_pickle_never_runs_code(case, tmp_path, capsys, monkeypatch):
+    from conversion.__main__ import main as conversion_main
+
+    monkeypatch.chdir(tmp_path)
+    argv = case.make(tmp_path)
+    capsys.readouterr()
+    code = conversion_main(argv) if argv[0] == "megatron-to-hf" else cli.main(argv)
+    err = capsys.readouterr().err
+    assert not (tmp_path / "pwned").exists(), "the checkpoint's pickle ran code"
+    assert code == 2, (code, err)
+    for text in case.expect:
+        assert text.replace("{d}", str(tmp_path)) in err, err
+    assert "Traceback" not in err
+
+
+def _megatron_checkpoint(d: Path) -> Path:
+    """A Megatron torch_dist checkpoint as Megatron lays it out (metadata.json, common.pt, DCP files),
+    written without a process group."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    out = d / "ckpt"
+    dcp.save({"w": torch.arange(16, dtype=torch.float32)}, checkpoint_id=str(out))
+    torch.save({"step": 3}, out / "common.pt")
+    (out / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                                                   "common_backend": "torch", "common_backend_version": 1}))
+    return out
+
+
+def test_megatrons_own_loader_reads_checkpoint_pickles_only_through_the_allow_lists(tmp_path):
+    """What the actor's resume calls (actor/checkpoint.py load_checkpoint): DCP's .metadata reader,
+    Megatron's common.pt loader, DCP's byte items and our RNG file; each crafted file is refused, named."""
+    import io
+
+    import torch
+    from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    from megatron_arpo.actor import checkpoint_pickles
+
+    checkpoint_pickles.install_restricted_unpickling()
+    ckpt = _megatron_checkpoint(tmp_path)
+    assert dist_checkpointing.load_tensors_metadata(str(ckpt))["w"].global_shape == (16,)  # a real one loads
+    assert checkpoint_pickles.common_load_strategy().load_common(ckpt)["step"] == 3
+    marker = tmp_path / "pwned"
+
+    (ckpt / ".metadata").write_bytes(_evil_pickle(marker, torch_name_first=True))
+    with pytest.raises(pickle_error(), match=rf"{ckpt}/\.metadata: refusing to load torch\.nn"):
+        dist_checkpointing.load_tensors_metadata(str(ckpt))
+    (ckpt / ".metadata").write_bytes(_evil_pickle(marker))
+    with pytest.raises(pickle_error(), match=rf"{ckpt}/\.metadata: refusing to load posix\.system"):
+        dist_checkpointing.load_tensors_metadata(str(ckpt))
+
+    class Touch:
+        def __reduce__(self):
+            return os.system, (f"touch {marker}",)
+
+    torch.save({"step": Touch()}, ckpt / "common.pt")
+    with pytest.raises(checkpoint_pickles.UnsafeCheckpointError, match=rf"{ckpt}/common\.pt: .*posix\.system"):
+        checkpoint_pickles.common_load_strategy().load_common(ckpt)
+    torch.save({"python": Touch()}, tmp_path / "rank_00000.pt")
+    with pytest.raises(checkpoint_pickles.UnsafeCheckpointError, match="rank_00000.pt: .*posix.system"):
+        checkpoint_pickles.load_rng_file(tmp_path / "rank_00000.pt")
+
+    item = type("Item", (), {"dest_index": type("Index", (), {"fqn": "decoder._extra_state"})()})()
+    payload = io.BytesIO()
+    torch.save(Touch(), payload)
+    with pytest.raises(checkpoint_pickles.UnsafeCheckpointError, match="decoder._extra_state"):
+        DefaultLoadPlanner().load_bytes(item, io.BytesIO(payload.getvalue()))
+    assert not marker.exists(), "a checkpoint pickle ran code"
+
+
+def pickle_error():
+    import pickle
+
+    return pickle.UnpicklingError
+
+
 @pytest.fixture(autouse=True)
 def _console_handlers_stay_in_their_test():
     """`train` installs a console log handler bound to this test's captured stderr: remove it afterwards."""
