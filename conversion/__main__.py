@@ -43,7 +43,8 @@ def cmd_megatron_to_hf(args) -> int:
 
     out = convert_megatron_to_hf(args.megatron, args.out, tokenizer=args.tokenizer,
                                  max_shard_size=parse_size(args.max_shard_size),
-                                 model_cfg=_model_cfg(args.model_config), overwrite=args.overwrite)
+                                 model_cfg=_model_cfg(args.model_config), overwrite=args.overwrite,
+                                 allow_nonfinite=args.allow_nonfinite)
     report = json.loads((out / MARKER).read_text())
     print(f"wrote HF checkpoint {out} ({report['num_tensors']} tensors, {report['dtype']}; report: {out / MARKER})")
     config = report["config_json"]
@@ -93,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-shard-size", default="5GB")
     p.add_argument("--model-config", help="model YAML; default: model_config.yaml beside the checkpoint")
     p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--allow-nonfinite", action="store_true",
+                   help="convert weights holding NaN or Inf (refused by default: a damaged or diverged checkpoint)")
     p.set_defaults(fn=cmd_megatron_to_hf)
 
     p = sub.add_parser("verify", help="round trip bit-exactness and HF vs Megatron logits parity")

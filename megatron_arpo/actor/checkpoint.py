@@ -45,7 +45,8 @@ import yaml
 
 from conversion.dcp_pickles import ForeignPickleError
 from conversion.dcp_read import read_dcp_metadata
-from megatron_arpo.actor.checkpoint_pickles import common_load_strategy, install_restricted_unpickling, load_rng_file
+from megatron_arpo.actor.checkpoint_pickles import (common_load_strategy, install_restricted_unpickling, load_rng_file,
+                                                    refusals_named)
 from megatron_arpo.fsutil import fsync_path
 
 logger = logging.getLogger(__name__)
@@ -317,7 +318,8 @@ def load_checkpoint(path: str | os.PathLike, *, model, optimizer=None, scheduler
     state = json.loads(state_path.read_text()) if state_path.exists() else {}
     install_restricted_unpickling()  # no pickle of the checkpoint runs code (checkpoint_pickles.py)
     model_sd = model.sharded_state_dict()
-    loaded = dist_checkpointing.load(model_sd, str(model_dir), common_strategy=common_load_strategy())
+    with refusals_named():
+        loaded = dist_checkpointing.load(model_sd, str(model_dir), common_strategy=common_load_strategy())
     missing, unexpected = model.load_state_dict(loaded, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing:
@@ -330,8 +332,9 @@ def load_checkpoint(path: str | os.PathLike, *, model, optimizer=None, scheduler
             with torch.no_grad():  # fp32 main params are views of the (leaf) model parameters
                 optim_sd = optimizer.sharded_state_dict(model.sharded_state_dict(), is_loading=True,
                                                         metadata=OPTIM_METADATA)
-                loaded_optim = dist_checkpointing.load(optim_sd, str(ckpt / "optim"),
-                                                       common_strategy=common_load_strategy())
+                with refusals_named():
+                    loaded_optim = dist_checkpointing.load(optim_sd, str(ckpt / "optim"),
+                                                           common_strategy=common_load_strategy())
                 optimizer.load_state_dict(loaded_optim)
                 _restore_adam_steps(optimizer, loaded_optim)
             full = True

@@ -1,4 +1,4 @@
-"""Every pickle a resume reads goes through an allow-list: no code runs from a checkpoint.
+"""Every pickle a resume reads goes through an allow-list (no code runs from a checkpoint), every record a CRC check.
 
 Megatron's ``dist_checkpointing.load`` reads four kinds of pickle, three of them without torch's
 ``weights_only`` guard in torch 2.x:
@@ -11,7 +11,8 @@ Megatron's ``dist_checkpointing.load`` reads four kinds of pickle, three of them
   refused if that fails;
 - ``common.pt``: :class:`WeightsOnlyCommonLoad` loads it with ``weights_only=True`` explicitly (torch's
   default can be flipped by ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD``);
-- the ``.distcp`` tensors: DCP already passes ``weights_only=True``.
+- the ``.distcp`` tensors: DCP already passes ``weights_only=True``; each record's zip CRCs are checked
+  first (:class:`_CheckedTorch`), which torch does not do.
 
 Our own per-rank RNG file is read by :func:`load_rng_file` with ``weights_only=True`` and the numpy
 names a generator state holds. A refusal raises :class:`UnsafeCheckpointError` naming the file.
@@ -22,14 +23,18 @@ from __future__ import annotations
 import io
 import os
 import pickle
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import torch
 import torch.distributed.checkpoint.filesystem as dcp_filesystem
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from conversion import dcp_pickles
+from conversion.dcp_read import CorruptRecordError, _FileView, check_record
 
 
 class UnsafeCheckpointError(ValueError):
@@ -56,10 +61,49 @@ def _checked_load_bytes(self, read_item, value: io.BytesIO) -> None:
     _original_load_bytes(self, read_item, value)
 
 
+class _CheckedTorch:
+    """Stands in for ``torch`` inside DCP's ``filesystem`` module: its ``torch.load`` of a chunk first checks
+    the CRC-32 of every entry of the record (:func:`conversion.dcp_read.check_record`; torch checks none)."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def load(f, *args, **kwargs):
+        base = getattr(f, "base_stream", None)  # DCP's view of [offset, offset + len) of an open shard file
+        if base is not None and hasattr(base, "fileno") and hasattr(f, "offset") and hasattr(f, "len"):
+            where = f"{getattr(base, 'name', 'a .distcp file')}: record at bytes {f.offset}..{f.offset + f.len}"
+            try:
+                check_record(_FileView(base, f.offset, f.len), where)
+            except CorruptRecordError as exc:
+                raise CorruptRecordError(f"{exc}; the checkpoint is corrupt, resume from an earlier one") from None
+            f.seek(0)
+        return torch.load(f, *args, **kwargs)
+
+
 def install_restricted_unpickling() -> None:
-    """Route DCP's metadata and byte-item loads in this process through the allow-lists (idempotent)."""
+    """Route DCP's metadata, byte-item and chunk loads in this process through the allow-lists and the
+    record CRC check (idempotent)."""
     dcp_filesystem.pickle = dcp_pickles.RESTRICTED_PICKLE
+    dcp_filesystem.torch = _CheckedTorch()
     DefaultLoadPlanner.load_bytes = _checked_load_bytes
+
+
+REFUSALS = (UnsafeCheckpointError, dcp_pickles.ForeignPickleError, CorruptRecordError)
+
+
+@contextmanager
+def refusals_named() -> Iterator[None]:
+    """DCP wraps a rank's error in a ``CheckpointException`` whose first line names only ranks: a refusal
+    above comes out as itself, so the one-line error the trainer prints names the file."""
+    try:
+        yield
+    except CheckpointException as exc:
+        for failure in exc.failures.values():
+            inner = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(inner, REFUSALS):
+                raise inner from None
+        raise
 
 
 def common_load_strategy():

@@ -286,6 +286,83 @@ def test_a_checkpoint_pickle_never_runs_code(case, tmp_path, capsys, monkeypatch
     assert "Traceback" not in err
 
 
+def _converted(d: Path, nan_in: str | None = None) -> Path:
+    """tiny-qwen3 as a Megatron checkpoint (``hf-to-megatron``), optionally with one NaN in HF tensor ``nan_in``."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from conversion.dist_ckpt import convert_hf_to_megatron
+    from megatron_arpo.tiny.checkpoint import tiny_checkpoint
+
+    hf = Path(tiny_checkpoint("tiny-qwen3"))
+    if nan_in is not None:
+        shutil.copytree(hf, d / "hf-nan")
+        hf = d / "hf-nan"
+        for shard in hf.glob("*.safetensors"):
+            tensors = load_file(shard)
+            if nan_in in tensors:
+                tensors[nan_in].view(-1)[7] = float("nan")
+                save_file(tensors, shard, metadata={"format": "pt"})
+    return convert_hf_to_megatron(hf, d / "mg")
+
+
+def _corrupt_distcp(d: Path) -> list[str]:
+    """4 KB of random bytes in the middle of the largest saved chunk (inside its tensor data)."""
+    import random
+
+    from conversion.dcp_read import read_dcp_metadata
+
+    mg = _converted(d)
+    where = max(read_dcp_metadata(mg / ".metadata")[1].values(), key=lambda info: info.length)
+    shard = mg / where.relative_path
+    data = bytearray(shard.read_bytes())
+    middle = where.offset + where.length // 2
+    data[middle:middle + 4096] = random.Random(29).randbytes(4096)
+    shard.write_bytes(bytes(data))
+    return ["megatron-to-hf", "--megatron", str(mg), "--out", str(d / "hf-out")]
+
+
+def _nonfinite(*extra: str) -> Callable[[Path], list[str]]:
+    def make(d: Path) -> list[str]:
+        mg = _converted(d, nan_in="model.layers.0.mlp.down_proj.weight")
+        return ["megatron-to-hf", "--megatron", str(mg), "--out", str(d / "hf-out"), *extra]
+    return make
+
+
+# Integrity of megatron-to-hf (issue 29, item 7): a damaged shard or NaN weights are refused, named.
+INTEGRITY_CASES = [
+    Case("megatron-to-hf of a .distcp with 4 KB of random bytes", _corrupt_distcp,
+         (".distcp: ", "fails its CRC-32 check", "the shard is corrupt, copy the checkpoint again")),
+    Case("megatron-to-hf of a NaN weight", _nonfinite(),
+         ("decoder.layers.mlp.linear_fc2.weight", "1 non-finite value(s) (NaN or Inf)", "--allow-nonfinite")),
+]
+
+
+@pytest.mark.parametrize("case", INTEGRITY_CASES, ids=[c.name for c in INTEGRITY_CASES])
+def test_megatron_to_hf_refuses_damaged_weights(case, tmp_path, capsys):
+    from conversion.__main__ import main as conversion_main
+
+    argv = case.make(tmp_path)
+    capsys.readouterr()
+    code = conversion_main(argv)
+    err = capsys.readouterr().err
+    assert code == 2, (code, err)
+    for text in case.expect:
+        assert text.replace("{d}", str(tmp_path)) in err, err
+    assert "Traceback" not in err and not (tmp_path / "hf-out").exists()
+
+
+def test_allow_nonfinite_converts_the_nan_as_is(tmp_path):
+    from safetensors.torch import load_file
+
+    from conversion.__main__ import main as conversion_main
+
+    assert conversion_main(_nonfinite("--allow-nonfinite")(tmp_path)) == 0
+    weights = {k: v for shard in (tmp_path / "hf-out").glob("*.safetensors") for k, v in load_file(shard).items()}
+    assert weights["model.layers.0.mlp.down_proj.weight"].isnan().sum() == 1
+
+
 def _megatron_checkpoint(d: Path) -> Path:
     """A Megatron torch_dist checkpoint as Megatron lays it out (metadata.json, common.pt, DCP files),
     written without a process group."""
@@ -341,6 +418,31 @@ def test_megatrons_own_loader_reads_checkpoint_pickles_only_through_the_allow_li
     with pytest.raises(checkpoint_pickles.UnsafeCheckpointError, match="decoder._extra_state"):
         DefaultLoadPlanner().load_bytes(item, io.BytesIO(payload.getvalue()))
     assert not marker.exists(), "a checkpoint pickle ran code"
+
+
+def test_the_resume_checks_every_record_crc(tmp_path):
+    """DCP's chunk reader (what Megatron's loader calls on resume) refuses a flipped byte, naming the file."""
+    import struct
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from conversion.dcp_read import read_dcp_metadata
+    from megatron_arpo.actor import checkpoint_pickles
+
+    checkpoint_pickles.install_restricted_unpickling()
+    ckpt = _megatron_checkpoint(tmp_path)
+    loaded = {"w": torch.zeros(16)}
+    dcp.load(loaded, checkpoint_id=str(ckpt))
+    assert torch.equal(loaded["w"], torch.arange(16, dtype=torch.float32))
+    where = read_dcp_metadata(ckpt / ".metadata")[1][("w", (0,))]
+    shard = ckpt / where.relative_path
+    data = bytearray(shard.read_bytes())
+    data[where.offset + data[where.offset:].index(struct.pack("<4f", 4, 5, 6, 7))] ^= 0x40  # 4.0 -> 4.0000153
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=rf"^{shard}: record at bytes .* fails its CRC-32 check.*resume from an earlier"):
+        with checkpoint_pickles.refusals_named():
+            dcp.load({"w": torch.zeros(16)}, checkpoint_id=str(ckpt))
 
 
 def pickle_error():
