@@ -445,6 +445,62 @@ def test_the_resume_checks_every_record_crc(tmp_path):
             dcp.load({"w": torch.zeros(16)}, checkpoint_id=str(ckpt))
 
 
+class _HugeAnswer:
+    """A retriever that answers 500 MB: with a Content-Length, or chunked without one (streamed until the
+    client hangs up). Nothing is buffered here."""
+
+    def __init__(self):
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        import threading
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                chunked = self.path.endswith("/chunked")
+                self.send_header(*(("Transfer-Encoding", "chunked") if chunked else ("Content-Length", str(500 << 20))))
+                self.end_headers()
+                block = b'{"result": [[' + b" " * ((1 << 20) - 14) + b"\n"
+                try:
+                    for _ in range(500):
+                        self.wfile.write(b"%x\r\n%s\r\n" % (len(block), block) if chunked else block)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+
+@pytest.mark.parametrize("path", ["/retrieve", "/retrieve/chunked"])
+def test_a_500_mb_retriever_answer_is_a_tool_error(path):
+    import asyncio
+
+    from megatron_arpo.tools.registry import build_tools
+
+    server = _HugeAnswer()
+    try:
+        executor = build_tools({"python": {"enabled": False}, "cache": None, "retries": 0,
+                                "search": {"backend": "http", "url": server.url + path, "max_response_bytes": 1 << 20}})
+
+        async def call():
+            try:
+                return await executor.execute("search", "q")
+            finally:
+                await executor.close()
+
+        result = asyncio.run(call())
+    finally:
+        server.server.shutdown()
+    assert result.error is not None and "Traceback" not in result.text
+    assert "answered more than 1048576 bytes (tools.search.max_response_bytes)" in result.text, result.text
+
+
 def pickle_error():
     import pickle
 
