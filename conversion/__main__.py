@@ -16,6 +16,7 @@ import signal
 import sys
 import threading
 
+from megatron_arpo.errors import as_symlink_loop
 from megatron_arpo.hf.config_json import FieldChange
 from megatron_arpo.hf.checkpoint_io import parse_size
 
@@ -138,8 +139,8 @@ def main(argv=None) -> int:
             signum = _received[0] if _received else signal.SIGINT
             print(f"interrupted by {signal.Signals(signum).name}; the unfinished output was removed", file=sys.stderr)
             return 128 + signum
-        if isinstance(exc, USER_ERRORS):
-            print(f"error: {exc}", file=sys.stderr)
+        if isinstance(exc, USER_ERRORS) or as_symlink_loop(exc) is not None:
+            print(f"error: {as_symlink_loop(exc) or exc}", file=sys.stderr)
             return 2
         raise
 

@@ -108,7 +108,7 @@ def train(cfg, resume: str = "auto", replay_dir: str | None = None) -> int:
 def train_main(argv: Sequence[str]) -> int:
     from megatron_arpo.cli import PROG, add_config_arguments, config_from_args
     from megatron_arpo.config import validate_paths
-    from megatron_arpo.errors import InputError
+    from megatron_arpo.errors import InputError, as_symlink_loop
     from megatron_arpo.preflight import check_tools
     from megatron_arpo.tracking import setup_console_logging
 
@@ -135,6 +135,9 @@ def train_main(argv: Sequence[str]) -> int:
     except InputError:
         raise  # a config, dataset or checkpoint problem: the CLI prints it and exits 2
     except Exception as exc:  # any component: one clear line, the traceback in a file
+        loop = as_symlink_loop(exc)
+        if loop is not None:
+            raise loop from exc  # a path the user gave: exit 2
         log = Path(cfg.run_dir) / "logs" / "train-error.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         log.write_text(traceback.format_exc())

@@ -507,6 +507,42 @@ def pickle_error():
     return pickle.UnpicklingError
 
 
+def _loop(d: Path) -> Path:
+    """``d/a -> d/b -> d/a``: a symlink loop."""
+    if not (d / "a").is_symlink():
+        (d / "a").symlink_to(d / "b")
+        (d / "b").symlink_to(d / "a")
+    return d / "a"
+
+
+DEEP_ROW = b'{"question": "q?", "answer": ' + b"[" * 100_000 + b"]" * 100_000 + b"}\n"
+
+# Symlink loops and deep JSON (issue 29, item 8): one clear line, exit 2.
+CASES += [
+    Case("config file is a symlink loop", lambda d: ["config", "validate", "--config", str(_loop(d))],
+         ("{d}/a: a symlink loop (links that point back to each other)",)),
+    Case("train file inside a symlink loop",
+         validate(lambda d: _base(d, data={"train_files": [str(_loop(d) / "qa.jsonl")]}), "--paths", "train"),
+         ("data.train_files[0]: file", "not found (a broken symlink or a symlink loop)")),
+    Case("train with a run_dir that is a symlink loop",
+         train(lambda d: _base(d, trainer={"run_dir": str(_loop(d)), "train_batch_size": 1},
+                               actor={"mini_batch_size": 1})),
+         ("{d}/a: a symlink loop", "give the real path")),
+    Case("JSONL row nested 100k deep", data_file("qa.jsonl", [GOOD, DEEP_ROW]),
+         ("qa.jsonl row 2: JSON nested too deeply", "flatten the row")),
+    Case("SFT row nested 100k deep", sft_file("sft.jsonl", DEEP_ROW), ("sft.jsonl:1: JSON nested too deeply",)),
+]
+
+
+def test_an_eval_row_nested_100k_deep_is_a_dataset_error(tmp_path):
+    from evaluation.datasets import DatasetError, load_dataset
+
+    (tmp_path / "gsm8k").mkdir()
+    (tmp_path / "gsm8k" / "test.jsonl").write_bytes(DEEP_ROW)
+    with pytest.raises(DatasetError, match=r"test.jsonl line 1: JSON nested too deeply"):
+        load_dataset("gsm8k", tmp_path)
+
+
 @pytest.fixture(autouse=True)
 def _console_handlers_stay_in_their_test():
     """`train` installs a console log handler bound to this test's captured stderr: remove it afterwards."""
