@@ -35,6 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from conversion import dcp_pickles
 from megatron_arpo.hf.checkpoint_io import ELEMENT_SIZES, dtype_name
 
@@ -138,8 +140,6 @@ def check_record(view, where: str, dtype: str | None = None) -> int:
             block = memoryview(buffer)[:got]
             crc = zlib.crc32(block, crc)
             if is_data:
-                import numpy as np  # only when a float record is checked for NaN/Inf
-
                 width = np.dtype(pattern[0]).itemsize
                 values = np.frombuffer(block[:got - got % width], dtype=pattern[0])
                 nonfinite += int(np.count_nonzero((values & pattern[1]) == pattern[1]))
