@@ -112,6 +112,10 @@ _TORCH_METADATA_NAMES = {
     *((module, name) for module, names in _DCP_CLASSES.items() for name in names),
     ("torch.distributed.checkpoint.metadata", "TensorProperties"),
     ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
+    # Megatron's save planner leaves its plans in ``planner_data``: plain dataclasses and enums.
+    *(("torch.distributed.checkpoint.planner", name) for name in (
+        "SavePlan", "WriteItem", "WriteItemType", "BytesIOWriteData", "TensorWriteData", "LoadPlan", "ReadItem",
+        "LoadItemType")),
     ("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
     *(("pathlib", name) for name in ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")),
 }

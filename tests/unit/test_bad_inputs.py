@@ -420,6 +420,27 @@ def test_megatrons_own_loader_reads_checkpoint_pickles_only_through_the_allow_li
     assert not marker.exists(), "a checkpoint pickle ran code"
 
 
+def test_a_megatron_written_metadata_passes_the_allow_list(tmp_path):
+    """Megatron's save planner leaves SavePlans (WriteItems, TensorWriteData, enums) in ``planner_data``."""
+    import pickle
+
+    import torch
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex
+    from torch.distributed.checkpoint.planner import (BytesIOWriteData, SavePlan, TensorWriteData, WriteItem,
+                                                      WriteItemType)
+
+    from conversion import dcp_pickles
+
+    chunk = ChunkStorageMetadata(offsets=torch.Size([0]), sizes=torch.Size([4]))
+    items = [WriteItem(MetadataIndex("w", torch.Size([0])), WriteItemType.SHARD,
+                       tensor_data=TensorWriteData(chunk, None, torch.Size([4]))),
+             WriteItem(MetadataIndex("obj"), WriteItemType.BYTE_IO, bytes_io_data=BytesIOWriteData(nbytes=3))]
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(Metadata({}, planner_data=[SavePlan(items, {"w": ("w",)})])))
+    with open(tmp_path / ".metadata", "rb") as fh:
+        loaded = dcp_pickles.load_torch_metadata(fh)
+    assert loaded.planner_data[0].items[1].type is WriteItemType.BYTE_IO
+
+
 def test_the_resume_checks_every_record_crc(tmp_path):
     """DCP's chunk reader (what Megatron's loader calls on resume) refuses a flipped byte, naming the file."""
     import struct
