@@ -94,16 +94,23 @@ REFUSALS = (UnsafeCheckpointError, dcp_pickles.ForeignPickleError, CorruptRecord
 
 @contextmanager
 def refusals_named() -> Iterator[None]:
-    """DCP wraps a rank's error in a ``CheckpointException`` whose first line names only ranks: a refusal
-    above comes out as itself, so the one-line error the trainer prints names the file."""
+    """DCP wraps a rank's error in a ``CheckpointException`` (a ``BaseException``) whose first line names
+    only ranks, and a failed metadata read in an ``AssertionError``: a refusal above comes out as itself,
+    anything else as a ``RuntimeError`` with the rank's message, so the trainer's one-line error names the file."""
     try:
         yield
     except CheckpointException as exc:
-        for failure in exc.failures.values():
-            inner = failure[0] if isinstance(failure, tuple) else failure
-            if isinstance(inner, REFUSALS):
-                raise inner from None
-        raise
+        failure = next(iter(exc.failures.values()), None)
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(inner, REFUSALS):
+            raise inner from None
+        message = str(inner)
+        if _METADATA_FAILED in message and "refusing to load" in message:  # DCP's wording, read_metadata's error
+            raise dcp_pickles.ForeignPickleError(message.split(_METADATA_FAILED, 1)[1]) from None
+        raise RuntimeError(f"checkpoint load failed: {type(inner).__name__}: {message}") from exc
+
+
+_METADATA_FAILED = "global metadata read failed: "
 
 
 def common_load_strategy():
