@@ -31,6 +31,7 @@ import pickle
 import struct
 import zipfile
 import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -200,6 +201,8 @@ class DistCheckpointReader:
         self.dir = Path(ckpt)
         self.allow_nonfinite = allow_nonfinite
         self._checked: set[tuple[str, tuple[int, ...]]] = set()
+        self._checker: ThreadPoolExecutor | None = None
+        self._pending: list[Future] = []
         meta_path = self.dir / DCP_METADATA
         if not meta_path.exists():
             raise FileNotFoundError(f"{meta_path} not found: {self.dir} is not a complete torch_dist checkpoint "
@@ -236,14 +239,32 @@ class DistCheckpointReader:
     def dtype(self, key: str) -> str:
         return self.tensors[key].dtype
 
-    def check_chunk(self, key: str, offsets: tuple[int, ...]) -> None:
-        """The chunk's record passes its CRC checks and (unless ``allow_nonfinite``) holds no NaN/Inf; once per chunk."""
+    def check_chunk(self, key: str, offsets: tuple[int, ...], background: bool = False) -> None:
+        """The chunk's record passes its CRC checks and (unless ``allow_nonfinite``) holds no NaN/Inf; once per
+        chunk. ``background``: in the reader's check thread (``zlib.crc32`` and numpy release the GIL, so it
+        overlaps the byte copies); :meth:`finish_checks` waits for it and raises its first error."""
         if (key, offsets) in self._checked:
             return
+        self._checked.add((key, offsets))
         info = self._storage[(key, offsets)]
+        handle = self._handle(info.relative_path)
+        if not background:
+            self._check_now(key, offsets, info, handle)
+            return
+        if self._checker is None:
+            self._checker = ThreadPoolExecutor(1, thread_name_prefix="record-check")
+        self._pending.append(self._checker.submit(self._check_now, key, offsets, info, handle))
+
+    def finish_checks(self) -> None:
+        """Wait for the background checks; the first failure is raised."""
+        pending, self._pending = self._pending, []
+        for future in pending:
+            future.result()
+
+    def _check_now(self, key: str, offsets: tuple[int, ...], info, handle) -> None:
         path = self.dir / info.relative_path
         where = f"{path}: {key} at offset {list(offsets)} (bytes {info.offset}..{info.offset + info.length})"
-        view = _FileView(self._handle(info.relative_path), info.offset, info.length)
+        view = _FileView(handle, info.offset, info.length)
         try:
             nonfinite = check_record(view, where, None if self.allow_nonfinite else self.tensors[key].dtype)
         except CorruptRecordError as exc:
@@ -251,7 +272,6 @@ class DistCheckpointReader:
         if nonfinite:
             raise ValueError(f"{where}: {nonfinite} non-finite value(s) (NaN or Inf); the weights are damaged or "
                              f"diverged. Convert an earlier checkpoint, or pass --allow-nonfinite to convert as is")
-        self._checked.add((key, offsets))
 
     def _load_chunk(self, key: str, offsets: tuple[int, ...]) -> torch.Tensor:
         import torch
@@ -365,7 +385,7 @@ class DistCheckpointReader:
                 start = self._layouts[(key, offsets)] = self._stored_bytes(key, offsets)
             if start is None:
                 return None
-            self.check_chunk(key, offsets)  # the bytes are copied unseen: check them first
+            self.check_chunk(key, offsets, background=True)  # copied unseen: checked before the output is kept
             if layer is not None:
                 start += (layer - offsets[0]) * sizes[1] * row_bytes
             where = self._storage[(key, offsets)]
@@ -375,6 +395,9 @@ class DistCheckpointReader:
         return sorted(out, key=lambda c: c.row) if covered == shape[lead] else None
 
     def close(self) -> None:
+        if self._checker is not None:
+            self._checker.shutdown(wait=True, cancel_futures=True)
+            self._checker = None
         for handle in self._handles.values():
             handle.close()
         self._handles = {}

@@ -21,8 +21,9 @@ else ``DIR/model``; else, for a training run directory with ``latest_checkpointe
 ``model_config.yaml`` found in the checkpoint dir or its parents up to ``DIR``. Keys must be Megatron's
 own sharded keys (no prefix), as ``GPTModel.sharded_state_dict()`` makes.
 
-Every chunk read is checked first (:meth:`conversion.dcp_read.DistCheckpointReader.check_chunk`): the CRC-32
-of each entry of its ``torch.save`` record, and no NaN/Inf unless ``allow_nonfinite``.
+Every chunk read is checked (:meth:`conversion.dcp_read.DistCheckpointReader.check_chunk`): the CRC-32 of
+each entry of its ``torch.save`` record, and no NaN/Inf unless ``allow_nonfinite``; a byte-copied chunk
+in a background thread while it is copied, all of them before the output directory is kept.
 
 Output: safetensors shards (+ index), ``config.json`` carried over from the original
 (:mod:`megatron_arpo.hf.config_json`), ``generation_config.json`` and tokenizer files, and ``conversion.json``:
@@ -199,6 +200,7 @@ def convert_megatron_to_hf(megatron_dir: str | os.PathLike, out: str | os.PathLi
                         continue
                     for name, tensor in read_rule_tensors(reader, model_cfg, rule).items():
                         writer.write(name, tensor)
+                reader.finish_checks()  # the byte-copied chunks, checked alongside the copies
                 writer.close()
             except BaseException:
                 writer.abort()
