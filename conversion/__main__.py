@@ -16,6 +16,7 @@ import signal
 import sys
 import threading
 
+from megatron_arpo.errors import as_symlink_loop
 from megatron_arpo.hf.config_json import FieldChange
 from megatron_arpo.hf.checkpoint_io import parse_size
 from megatron_arpo.device.quiet import quiet_cpu_warnings
@@ -44,7 +45,8 @@ def cmd_megatron_to_hf(args) -> int:
 
     out = convert_megatron_to_hf(args.megatron, args.out, tokenizer=args.tokenizer,
                                  max_shard_size=parse_size(args.max_shard_size),
-                                 model_cfg=_model_cfg(args.model_config), overwrite=args.overwrite)
+                                 model_cfg=_model_cfg(args.model_config), overwrite=args.overwrite,
+                                 allow_nonfinite=args.allow_nonfinite)
     report = json.loads((out / MARKER).read_text())
     print(f"wrote HF checkpoint {out} ({report['num_tensors']} tensors, {report['dtype']}; report: {out / MARKER})")
     config = report["config_json"]
@@ -94,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-shard-size", default="5GB")
     p.add_argument("--model-config", help="model YAML; default: model_config.yaml beside the checkpoint")
     p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--allow-nonfinite", action="store_true",
+                   help="convert weights holding NaN or Inf (refused by default: a damaged or diverged checkpoint)")
     p.set_defaults(fn=cmd_megatron_to_hf)
 
     p = sub.add_parser("verify", help="round trip bit-exactness and HF vs Megatron logits parity")
@@ -134,8 +138,8 @@ def main(argv=None) -> int:
             signum = _received[0] if _received else signal.SIGINT
             print(f"interrupted by {signal.Signals(signum).name}; the unfinished output was removed", file=sys.stderr)
             return 128 + signum
-        if isinstance(exc, USER_ERRORS):
-            print(f"error: {exc}", file=sys.stderr)
+        if isinstance(exc, USER_ERRORS) or as_symlink_loop(exc) is not None:
+            print(f"error: {as_symlink_loop(exc) or exc}", file=sys.stderr)
             return 2
         raise
 

@@ -12,14 +12,20 @@ size, stride). Anything else:
   :class:`UnknownTorchName`; the caller then uses torch's own loaders;
 - a name outside torch raises :class:`ForeignPickleError`, which is never retried with an unrestricted
   unpickler (DCP itself would ``pickle.load`` such a file and run what it names).
+
+:class:`TorchMetadataUnpickler` is the allow-list over the real torch classes, for when torch's own objects
+are needed (another torch version's layout; Megatron's loader, through :data:`RESTRICTED_PICKLE`, which
+``megatron_arpo.actor.checkpoint`` puts in place of DCP's ``pickle``): no name outside it is ever imported.
 """
 
 from __future__ import annotations
 
 import collections
+import importlib
 import io
 import os
 import pickle
+import types
 from dataclasses import dataclass
 
 from conversion.torch_pickle import STORAGE_CLASSES
@@ -99,6 +105,54 @@ class MetadataUnpickler(pickle.Unpickler):
 
 def load_metadata(fh):
     return MetadataUnpickler(fh).load()
+
+
+# The real classes a DCP ``.metadata`` may name (torch 2.x ``metadata.py`` / ``filesystem.py``), and the rest.
+_TORCH_METADATA_NAMES = {
+    *((module, name) for module, names in _DCP_CLASSES.items() for name in names),
+    ("torch.distributed.checkpoint.metadata", "TensorProperties"),
+    ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
+    # Megatron's save planner leaves its plans in ``planner_data``: plain dataclasses and enums.
+    *(("torch.distributed.checkpoint.planner", name) for name in (
+        "SavePlan", "WriteItem", "WriteItemType", "BytesIOWriteData", "TensorWriteData", "LoadPlan", "ReadItem",
+        "LoadItemType")),
+    ("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+    *(("pathlib", name) for name in ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")),
+}
+
+
+class TorchMetadataUnpickler(pickle.Unpickler):
+    """DCP's ``.metadata`` into torch's own classes, importing only the allow-listed names (and dtypes)."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in _TORCH_METADATA_NAMES:
+            return getattr(importlib.import_module(module), name)
+        if module == "torch":
+            import torch  # only here: the torch-free readers above never get this far
+
+            value = getattr(torch, name, None)
+            if isinstance(value, torch.dtype):
+                return value
+        raise ForeignPickleError(f"refusing to load {module}.{name}: not a class a torch_dist .metadata file "
+                                 f"holds; this file was not written by torch (or was tampered with)")
+
+
+def load_torch_metadata(fh):
+    """A ``.metadata`` file as torch's ``Metadata``; :class:`ForeignPickleError` names the file when refused."""
+    try:
+        return TorchMetadataUnpickler(fh).load()
+    except ForeignPickleError as exc:
+        raise ForeignPickleError(f"{getattr(fh, 'name', '.metadata')}: {exc}") from None
+
+
+def _restricted_load(fh, **_ignored):
+    return load_torch_metadata(fh)
+
+
+# Stands in for the ``pickle`` module inside ``torch.distributed.checkpoint.filesystem``: its reader's
+# ``pickle.load`` of ``.metadata`` goes through the allow-list; writing (``pickle.dump``) is unchanged.
+RESTRICTED_PICKLE = types.SimpleNamespace(**{**{k: getattr(pickle, k) for k in pickle.__all__}, "load": _restricted_load,
+                                             "loads": lambda data, **_: load_torch_metadata(io.BytesIO(data))})
 
 
 @dataclass(frozen=True)

@@ -30,9 +30,13 @@ import os
 import pickle
 import struct
 import zipfile
+import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from conversion import dcp_pickles
 from megatron_arpo.hf.checkpoint_io import ELEMENT_SIZES, dtype_name
@@ -89,6 +93,64 @@ class _FileView(io.RawIOBase):
         return got
 
 
+# Bytes read per CRC / finiteness step of a record check (cache-sized, as conversion.torch_record.BLOCK).
+CHECK_BLOCK = 256 << 10
+# Float dtypes: (unsigned view, exponent mask). A value is NaN or Inf when all its exponent bits are set.
+_EXPONENT = {"float32": ("<u4", 0x7F800000), "bfloat16": ("<u2", 0x7F80), "float16": ("<u2", 0x7C00),
+             "float64": ("<u8", 0x7FF0000000000000)}
+
+
+class CorruptRecordError(ValueError):
+    """A ``torch.save`` record whose bytes do not match the CRC-32 its zip directory holds."""
+
+
+def check_record(view, where: str, dtype: str | None = None) -> int:
+    """Check the CRC-32 of every entry of the ``torch.save`` zip record ``view`` (a seekable view of it).
+
+    torch.load checks none of them, so a flipped byte in a ``.distcp`` loads as a changed weight. Stored
+    entries are checksummed here block by block (``zlib.crc32``); compressed ones by ``zipfile``. Returns
+    the number of non-finite values in the record's tensor data when ``dtype`` is a float type.
+    """
+    try:
+        archive = zipfile.ZipFile(view)
+        infos = archive.infolist()
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
+        raise CorruptRecordError(f"{where}: not a readable torch.save record ({exc})") from exc
+    pattern = _EXPONENT.get(dtype or "")
+    buffer = bytearray(CHECK_BLOCK)
+    nonfinite = 0
+    for info in infos:
+        if info.compress_type != zipfile.ZIP_STORED:
+            try:
+                archive.read(info)  # zipfile checks the CRC of what it inflates
+            except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
+                raise CorruptRecordError(f"{where}: entry {info.filename}: {exc}") from exc
+            continue
+        view.seek(info.header_offset)
+        header = view.read(30)
+        if len(header) != 30 or header[:4] != b"PK\x03\x04":
+            raise CorruptRecordError(f"{where}: entry {info.filename}: no local header at its offset")
+        name_len, extra_len = struct.unpack("<HH", header[26:30])
+        view.seek(info.header_offset + 30 + name_len + extra_len)
+        is_data = pattern is not None and "/data/" in info.filename and "/.data/" not in info.filename
+        crc, left = 0, info.file_size
+        while left:
+            got = view.readinto(memoryview(buffer)[:min(left, CHECK_BLOCK)])
+            if not got:
+                raise CorruptRecordError(f"{where}: entry {info.filename} is cut short ({left} bytes missing)")
+            block = memoryview(buffer)[:got]
+            crc = zlib.crc32(block, crc)
+            if is_data:
+                width = np.dtype(pattern[0]).itemsize
+                values = np.frombuffer(block[:got - got % width], dtype=pattern[0])
+                nonfinite += int(np.count_nonzero((values & pattern[1]) == pattern[1]))
+            left -= got
+        if crc != info.CRC:
+            raise CorruptRecordError(f"{where}: entry {info.filename} fails its CRC-32 check (stored {info.CRC:08x}, "
+                                     f"computed {crc:08x})")
+    return nonfinite
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     dtype: str  # torch's name: "bfloat16"
@@ -108,11 +170,11 @@ def read_dcp_metadata(path: Path) -> tuple[dict[str, TensorInfo], dict]:
         with open(path, "rb") as fh:
             metadata = dcp_pickles.load_metadata(fh)
         tensors = _tensor_infos(metadata, lambda md: type(md).__name__ == "TensorStorageMetadata")
-    except dcp_pickles.UnknownTorchName:  # another torch version's layout: DCP's own reader
-        from torch.distributed.checkpoint import FileSystemReader
+    except dcp_pickles.UnknownTorchName:  # another torch version's layout: torch's classes, still allow-listed
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-        metadata = FileSystemReader(str(path.parent)).read_metadata()
+        with open(path, "rb") as fh:
+            metadata = dcp_pickles.load_torch_metadata(fh)
         tensors = _tensor_infos(metadata, lambda md: isinstance(md, TensorStorageMetadata))
     storage = {(index.fqn, tuple(index.offset or ())): info for index, info in metadata.storage_data.items()}
     return tensors, storage
@@ -135,14 +197,21 @@ def check_megatron_metadata(ckpt: Path) -> None:
 class DistCheckpointReader:
     """Regions of the tensors of one DCP checkpoint directory, read lazily from its ``.distcp`` files."""
 
-    def __init__(self, ckpt: str | os.PathLike):
+    def __init__(self, ckpt: str | os.PathLike, allow_nonfinite: bool = False):
         self.dir = Path(ckpt)
+        self.allow_nonfinite = allow_nonfinite
+        self._checked: set[tuple[str, tuple[int, ...]]] = set()
+        self._checker: ThreadPoolExecutor | None = None
+        self._pending: list[Future] = []
         meta_path = self.dir / DCP_METADATA
         if not meta_path.exists():
             raise FileNotFoundError(f"{meta_path} not found: {self.dir} is not a complete torch_dist checkpoint "
                                     f"(interrupted save or copy?)")
         try:
             self.tensors, self._storage = read_dcp_metadata(meta_path)
+        except dcp_pickles.ForeignPickleError as exc:
+            raise ValueError(f"{meta_path}: {str(exc).removeprefix(f'{meta_path}: ')}; not converted (a checkpoint "
+                             f"pickle may name only torch's checkpoint classes)") from None
         except Exception as exc:  # pickle raises many types on a damaged file
             raise ValueError(f"{meta_path}: cannot be read ({type(exc).__name__}: {exc}); the checkpoint is corrupt "
                              f"or was copied incompletely, copy it again") from exc
@@ -170,11 +239,46 @@ class DistCheckpointReader:
     def dtype(self, key: str) -> str:
         return self.tensors[key].dtype
 
+    def check_chunk(self, key: str, offsets: tuple[int, ...], background: bool = False) -> None:
+        """The chunk's record passes its CRC checks and (unless ``allow_nonfinite``) holds no NaN/Inf; once per
+        chunk. ``background``: in the reader's check thread (``zlib.crc32`` and numpy release the GIL, so it
+        overlaps the byte copies); :meth:`finish_checks` waits for it and raises its first error."""
+        if (key, offsets) in self._checked:
+            return
+        self._checked.add((key, offsets))
+        info = self._storage[(key, offsets)]
+        handle = self._handle(info.relative_path)
+        if not background:
+            self._check_now(key, offsets, info, handle)
+            return
+        if self._checker is None:
+            self._checker = ThreadPoolExecutor(1, thread_name_prefix="record-check")
+        self._pending.append(self._checker.submit(self._check_now, key, offsets, info, handle))
+
+    def finish_checks(self) -> None:
+        """Wait for the background checks; the first failure is raised."""
+        pending, self._pending = self._pending, []
+        for future in pending:
+            future.result()
+
+    def _check_now(self, key: str, offsets: tuple[int, ...], info, handle) -> None:
+        path = self.dir / info.relative_path
+        where = f"{path}: {key} at offset {list(offsets)} (bytes {info.offset}..{info.offset + info.length})"
+        view = _FileView(handle, info.offset, info.length)
+        try:
+            nonfinite = check_record(view, where, None if self.allow_nonfinite else self.tensors[key].dtype)
+        except CorruptRecordError as exc:
+            raise CorruptRecordError(f"{exc}; the shard is corrupt, copy the checkpoint again") from None
+        if nonfinite:
+            raise ValueError(f"{where}: {nonfinite} non-finite value(s) (NaN or Inf); the weights are damaged or "
+                             f"diverged. Convert an earlier checkpoint, or pass --allow-nonfinite to convert as is")
+
     def _load_chunk(self, key: str, offsets: tuple[int, ...]) -> torch.Tensor:
         import torch
 
         info = self._storage[(key, offsets)]
         path = self.dir / info.relative_path
+        self.check_chunk(key, offsets)
         if getattr(info, "transform_descriptors", None):
             raise ValueError(f"{path}: {key} is stored with transforms {list(info.transform_descriptors)} "
                              f"(compression?); only plain torch_dist checkpoints can be converted")
@@ -281,6 +385,7 @@ class DistCheckpointReader:
                 start = self._layouts[(key, offsets)] = self._stored_bytes(key, offsets)
             if start is None:
                 return None
+            self.check_chunk(key, offsets, background=True)  # copied unseen: checked before the output is kept
             if layer is not None:
                 start += (layer - offsets[0]) * sizes[1] * row_bytes
             where = self._storage[(key, offsets)]
@@ -290,6 +395,9 @@ class DistCheckpointReader:
         return sorted(out, key=lambda c: c.row) if covered == shape[lead] else None
 
     def close(self) -> None:
+        if self._checker is not None:
+            self._checker.shutdown(wait=True, cancel_futures=True)
+            self._checker = None
         for handle in self._handles.values():
             handle.close()
         self._handles = {}

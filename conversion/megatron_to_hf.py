@@ -21,6 +21,10 @@ else ``DIR/model``; else, for a training run directory with ``latest_checkpointe
 ``model_config.yaml`` found in the checkpoint dir or its parents up to ``DIR``. Keys must be Megatron's
 own sharded keys (no prefix), as ``GPTModel.sharded_state_dict()`` makes.
 
+Every chunk read is checked (:meth:`conversion.dcp_read.DistCheckpointReader.check_chunk`): the CRC-32 of
+each entry of its ``torch.save`` record, and no NaN/Inf unless ``allow_nonfinite``; a byte-copied chunk
+in a background thread while it is copied, all of them before the output directory is kept.
+
 Output: safetensors shards (+ index), ``config.json`` carried over from the original
 (:mod:`megatron_arpo.hf.config_json`), ``generation_config.json`` and tokenizer files, and ``conversion.json``:
 the report (source, dtype, config.json origin and every field changed) and the marker that lets a later
@@ -168,7 +172,7 @@ def copy_rule_bytes(reader: DistCheckpointReader, writer, cfg: ModelConfig, rule
 def convert_megatron_to_hf(megatron_dir: str | os.PathLike, out: str | os.PathLike, *,
                            tokenizer: str | os.PathLike | None = None, max_shard_size: int = 5 * 10**9,
                            model_cfg: ModelConfig | None = None, overwrite: bool = False,
-                           byte_copy: bool = True) -> Path:
+                           byte_copy: bool = True, allow_nonfinite: bool = False) -> Path:
     """Write the HF checkpoint; its ``conversion.json`` is the report (see the module docstring)."""
     from megatron_arpo.hf.config_json import write_config_json
     from megatron_arpo.hf.checkpoint_io import SafetensorsShardWriter
@@ -181,7 +185,7 @@ def convert_megatron_to_hf(megatron_dir: str | os.PathLike, out: str | os.PathLi
     if model_cfg is None:
         model_cfg = find_model_config(megatron_dir, ckpt)
     mapping.get_table(model_cfg.model_type)
-    reader = DistCheckpointReader(ckpt)
+    reader = DistCheckpointReader(ckpt, allow_nonfinite=allow_nonfinite)
     try:
         rules = check_checkpoint(reader, model_cfg)
         specs = hf_specs(model_cfg, reader, rules)
@@ -196,6 +200,7 @@ def convert_megatron_to_hf(megatron_dir: str | os.PathLike, out: str | os.PathLi
                         continue
                     for name, tensor in read_rule_tensors(reader, model_cfg, rule).items():
                         writer.write(name, tensor)
+                reader.finish_checks()  # the byte-copied chunks, checked alongside the copies
                 writer.close()
             except BaseException:
                 writer.abort()

@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from megatron_arpo.errors import as_symlink_loop
 from megatron_arpo.redaction import install_log_redaction
 
 logger = logging.getLogger(__name__)
@@ -244,6 +245,11 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = PROG) -> int:
         results = asyncio.run(_run(settings, engine, judge))
     except (DatasetError, EvalError, ConfigError) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except (OSError, RuntimeError) as exc:  # a symlink loop in a path the user gave
+        if as_symlink_loop(exc) is None:
+            raise
+        print(f"{prog}: error: {as_symlink_loop(exc)}", file=sys.stderr)
         return EXIT_BAD_INPUT
     print(format_markdown(results), end="")
     print(f"\nresults: {settings.out_dir / 'results.json'}")

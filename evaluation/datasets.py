@@ -260,6 +260,9 @@ def load_dataset(spec: DatasetSpec | str, data_dir: str | Path, max_samples: Opt
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise DatasetError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") from None
+            except RecursionError:
+                raise DatasetError(f"{where}: JSON nested too deeply (deeper than Python's recursion limit); "
+                                   f"flatten the row") from None
             sample = _parse_row(row, spec, where, index=len(samples))
             if sample.sample_id in seen:
                 raise DatasetError(f"{where}: sample id {sample.sample_id!r} repeats line {seen[sample.sample_id]}; "

@@ -26,7 +26,7 @@ import yaml
 from megatron_arpo import __version__
 from megatron_arpo.command_args import PROG, add_config_arguments, config_from_args
 from megatron_arpo.config import ConfigError
-from megatron_arpo.errors import InputError
+from megatron_arpo.errors import InputError, as_symlink_loop
 from megatron_arpo.device.quiet import quiet_cpu_warnings
 
 EXIT_CONFIG_ERROR = 2
@@ -145,6 +145,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_CONFIG_ERROR
     except InputError as exc:  # a dataset row, an SFT file, a checkpoint to resume from, ...
         print(f"{PROG} {command.name}: error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    except (OSError, RuntimeError) as exc:  # a symlink loop met while following any path the user gave
+        loop = as_symlink_loop(exc)
+        if loop is None:
+            raise
+        print(f"{PROG} {command.name}: error: {loop}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
     except SystemExit as exc:  # a command's own argparse usage error or -h
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)

@@ -649,7 +649,9 @@ def validate_paths(cfg: ExperimentConfig, *, for_command: Literal["train", "sft"
         elif kind == "dir" and p.is_file():
             errors.append(f"{key}: {value!r} is a file; give the directory")
         elif not (p.is_dir() if kind == "dir" else p.exists()):
-            errors.append(f"{key}: {kind} {value!r} not found")
+            broken = " (a broken symlink or a symlink loop)" if p.is_symlink() or not p.parent.exists() and \
+                p.parent.is_symlink() else ""
+            errors.append(f"{key}: {kind} {value!r} not found{broken}")
 
     need("model.hf_checkpoint", cfg.model.hf_checkpoint, "dir")
     need("model.tokenizer", cfg.model.tokenizer, "dir")

@@ -5,8 +5,30 @@ file, a checkpoint to resume from, a tool setting the machine cannot honour — 
 of the run itself. Its message names the file/key/row and the fix; ``megatron_arpo.cli`` prints it on
 one line, with no traceback, and exits 2. ``ConfigError``, ``DatasetError``, ``SFTDataError`` and
 ``ResumeError`` are InputErrors.
+
+:func:`as_symlink_loop` turns the two ways a symlink loop surfaces (``OSError`` ELOOP from the OS,
+``RuntimeError`` from Python 3.11's ``Path.resolve``) into one such error, wherever a path was followed.
 """
+
+import errno
 
 
 class InputError(ValueError):
     """Bad user input; the message says what is wrong, where, and how to fix it."""
+
+
+class SymlinkLoopError(InputError):
+    """A path runs into links that point back to each other."""
+
+
+def as_symlink_loop(exc: BaseException) -> SymlinkLoopError | None:
+    """The InputError for ``exc`` when it reports a symlink loop, else None."""
+    if isinstance(exc, OSError) and exc.errno == errno.ELOOP:
+        path = exc.filename
+    elif isinstance(exc, RuntimeError) and str(exc).startswith("Symlink loop from "):
+        path = str(exc)[len("Symlink loop from "):].strip("'\"")
+    else:
+        return None
+    return SymlinkLoopError(f"{path}: a symlink loop (links that point back to each other); fix or remove the "
+                            f"link, or give the real path")
+

@@ -3,8 +3,10 @@
 Two kinds of secret are recognised:
 - values under secret-looking config keys (`*key*`, `*token*`, `*secret*`, `*password*`, ...; keys
   ending in `_env` hold the NAME of an environment variable and are kept): `redact(data)`;
-- passwords inside URLs, `scheme://user:password@host/...` anywhere in a string (a retriever URL, a
-  proxy, a database DSN): `redact_url(text)` keeps the user name and replaces the password with `***`.
+- credentials inside URLs anywhere in a string (a retriever URL, a proxy, a database DSN):
+  `redact_url(text)` masks the password of `scheme://user:password@host/...` (keeping the user name),
+  a token used as the user name (`https://ghp_...@host`) and secret query parameters (`?api_key=`,
+  `&token=`, `key=`, `sig=`, ...) with `***`.
 
 `install_log_redaction()` adds a filter to every handler of the root logger that applies `redact_url`
 to the final message, the exception text and the stack text of each record, whoever logged it.
@@ -21,15 +23,34 @@ _SECRET_WORDS = ("key", "token", "secret", "password", "passwd", "credential")
 # Config keys that contain a secret word but hold no secret.
 _NOT_SECRET = {"prompt_key", "tokenizer"}
 # scheme://user:password@ -- the user part stops at the first ':', '/', '@' or whitespace; the password
-# runs to the last '@' before the host (passwords may contain '@' when not percent-encoded).
-_URL_PASSWORD = re.compile(r"(?P<head>\b[A-Za-z][A-Za-z0-9+.\-]*://[^\s:/@]*:)(?P<password>[^\s/]*)@(?=[^\s@/]*(?:[/\s?#]|$))")
+# runs to the first '@' that a host follows (so it may hold an unencoded '@' or '/'), never past '?' or '#'.
+_HOST_AHEAD = r"(?=[^\s@/]*(?:[/\s?#]|$))"
+_URL_PASSWORD = re.compile(r"(?P<head>\b[A-Za-z][A-Za-z0-9+.\-]*://[^\s:/@?#]*:)(?P<password>[^\s?#]*?)@" + _HOST_AHEAD)
+# scheme://TOKEN@host -- a user name alone is masked when it looks like a token (see _looks_like_token).
+_URL_USER = re.compile(r"(?P<head>\b[A-Za-z][A-Za-z0-9+.\-]*://)(?P<user>[^\s:/@?#]+)@" + _HOST_AHEAD)
+# ?api_key=... / &token=... / ;sig=...: the value of a query parameter whose name holds a secret word.
+_QUERY_SECRET = re.compile(r"(?P<head>[?&;][A-Za-z0-9_.\-]*?(?:key|token|secret|password|passwd|pwd|credential|auth|sig)"
+                           r"[A-Za-z0-9_.\-]*=)(?P<value>[^&;#\s'\"]+)", re.IGNORECASE)
+
+
+def _looks_like_token(user: str) -> bool:
+    """A URL user name that is a credential (``ghp_...``, ``hf_...``, a key), not a login like ``git``:
+    at least 20 characters, or at least 8 with a digit in them."""
+    return len(user) >= 20 or (len(user) >= 8 and any(c.isdigit() for c in user))
 
 
 def redact_url(text: str) -> str:
-    """`text` with the password of every `scheme://user:password@host` replaced by `***`."""
-    if "://" not in text or "@" not in text:
+    """`text` with the credentials of every URL masked as `***`: the password of `scheme://user:password@host`,
+    a token used as the user name (`https://TOKEN@host`), and secret query parameters (`?api_key=...`)."""
+    if "://" not in text and "=" not in text:
         return text
-    return _URL_PASSWORD.sub(lambda m: f"{m.group('head')}{REDACTED}@", text)
+    if "@" in text:
+        text = _URL_PASSWORD.sub(lambda m: f"{m.group('head')}{REDACTED}@", text)
+        text = _URL_USER.sub(lambda m: f"{m.group('head')}{REDACTED if _looks_like_token(m.group('user')) else m.group('user')}@",
+                             text)
+    if "=" in text:
+        text = _QUERY_SECRET.sub(lambda m: f"{m.group('head')}{REDACTED}", text)
+    return text
 
 
 def is_secret_key(name: str) -> bool:

@@ -3,8 +3,9 @@
 (docs/design/architecture.md §1: planned as ``logging.py``; it is named ``tracking`` so that running a file from inside
 the package can never shadow the standard library's ``logging``.)
 
-- ``metrics.jsonl`` in the run directory gets one JSON object per step, flushed and fsynced, so a run
-  killed with SIGKILL keeps every completed step. On resume, lines for steps after the resumed step are
+- ``metrics.jsonl`` in the run directory gets one JSON object per step, flushed and fsynced before the
+  step's checkpoint is published (``megatron_arpo/train.py``), so a run killed with SIGKILL keeps every
+  step its checkpoint covers. On resume, lines for steps after the resumed step are
   dropped first, so the file never holds two versions of a step.
 - wandb is online when ``logging.wandb.mode`` is ``online``, or ``auto`` with ``WANDB_API_KEY`` set;
   otherwise offline into ``<run_dir>/wandb``. The config it receives is ``ExperimentConfig.redacted()``:
@@ -22,6 +23,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
+from megatron_arpo.fsutil import atomic_write, fsync_path
 from megatron_arpo.redaction import install_log_redaction
 
 logger = logging.getLogger(__name__)
@@ -130,9 +132,8 @@ class MetricsLogger:
                     kept.append(line)
             except json.JSONDecodeError:
                 break  # a torn last line from a killed run
-        tmp = self.jsonl_path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        os.replace(tmp, self.jsonl_path)
+        with atomic_write(self.jsonl_path) as fh:  # fsynced: a second kill cannot bring the dropped rows back
+            fh.write("".join(line + "\n" for line in kept))
 
     def _init_wandb(self, mode: str, config: Mapping[str, Any], project: str, entity: str | None,
                     name: str | None, tags: list[str] | None) -> Any:
@@ -162,10 +163,13 @@ class MetricsLogger:
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         row = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
         if self.jsonl_path is not None:
+            created = not self.jsonl_path.exists()
             with open(self.jsonl_path, "a") as fh:
                 fh.write(json.dumps(row) + "\n")
                 fh.flush()
                 os.fsync(fh.fileno())
+            if created:
+                fsync_path(self.run_dir)  # the new file's directory entry is durable too
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in row.items() if isinstance(v, (int, float))}, step=step)
 

@@ -3,7 +3,8 @@
 One step: rollout (branched multi-turn tool trajectories) -> reward -> GRPO advantages -> old (and
 reference) log-probs -> PPO update -> weight sync (with colocated sleep/offload, the phase switches of
 ``megatron_arpo.trainer.phases`` around the log-probs, update and sync) -> validation (every ``trainer.val_every``) ->
-checkpoint (every ``trainer.save_every``, and at the end) -> log. The components and the phase functions
+log (``metrics.jsonl`` row, rollout records) -> checkpoint (every ``trainer.save_every``, and at the end):
+the log is durable before the checkpoint that covers it is published. The components and the phase functions
 live in ``megatron_arpo.trainer``; this file is the loop. A stop request (preemption) is served at the
 next safe point inside the step (``megatron_arpo.trainer.signals``). ``--replay-rollouts DIR`` trains on the
 rollout records a run saved (``logging.save_rollout_records``) instead, without engines or tools
@@ -76,23 +77,27 @@ def train(cfg, resume: str = "auto", replay_dir: str | None = None) -> int:
                         with timer("validate"):
                             val = steps.validate(rt, step)
                 rt.step = step
+                trajs = result.trajectories()
+                row = {**metrics.reward_metrics(trajs, sources),
+                       **metrics.rollout_metrics(result, timer.seconds["rollout"]),
+                       **metrics.tool_metrics(trajs, result.stats, tools_before, tools_after, steps.tool_tags(rt, trajs)),
+                       **metrics.token_statistics(batch, trajs, cfg.rollout.entropy_window),
+                       **metrics.actor_metrics(update, logprob_info["padding_fraction"]),
+                       **phase, **sync, **val, **timer.metrics(), **lead.observe(timer.seconds),
+                       **metrics.data_metrics([p.prompt_id.split(":", 1)[1] for p in prompts], rt.sampler.state_dict())}
+                # The step's row and records are durable before the checkpoint that covers them is published: a
+                # kill before the publish redoes the step (the resume drops the row), a kill after loses nothing.
+                rt.metrics_logger.log(step, row)
+                logger.info(format_step_summary(step, row, rt.total_steps))
+                if cfg.logging.save_rollout_records:
+                    from megatron_arpo.trainer.replay import save_step_records
+
+                    save_step_records(rt.run_dir / "rollouts", step, result)
                 if checkpointing.is_due(step, t.save_every, rt.total_steps) or stop.requested:
                     with timer("save"):
                         checkpointing.save_checkpoint(rt)
-            trajs = result.trajectories()
-            row = {**metrics.reward_metrics(trajs, sources),
-                   **metrics.rollout_metrics(result, timer.seconds["rollout"]),
-                   **metrics.tool_metrics(trajs, result.stats, tools_before, tools_after, steps.tool_tags(rt, trajs)),
-                   **metrics.token_statistics(batch, trajs, cfg.rollout.entropy_window),
-                   **metrics.actor_metrics(update, logprob_info["padding_fraction"]),
-                   **phase, **sync, **val, **timer.metrics(), **lead.observe(timer.seconds),
-                   **metrics.data_metrics([p.prompt_id.split(":", 1)[1] for p in prompts], rt.sampler.state_dict())}
-            rt.metrics_logger.log(step, row)
-            logger.info(format_step_summary(step, row, rt.total_steps))
-            if cfg.logging.save_rollout_records:
-                from megatron_arpo.trainer.replay import save_step_records
-
-                save_step_records(rt.run_dir / "rollouts", step, result)
+                    lead.observe(timer.seconds)  # the save time, for the preemption lead-time advice
+                    logger.info("step %d: checkpoint saved in %.1f s", step, timer.seconds["save"])
 
         if stop.requested:
             if rt.step != rt.last_saved_step and rt.step > 0:
@@ -108,7 +113,7 @@ def train(cfg, resume: str = "auto", replay_dir: str | None = None) -> int:
 
 def train_main(argv: Sequence[str]) -> int:
     from megatron_arpo.config import validate_paths
-    from megatron_arpo.errors import InputError
+    from megatron_arpo.errors import InputError, as_symlink_loop
     from megatron_arpo.preflight import check_tools
     from megatron_arpo.tracking import setup_console_logging
 
@@ -135,6 +140,9 @@ def train_main(argv: Sequence[str]) -> int:
     except InputError:
         raise  # a config, dataset or checkpoint problem: the CLI prints it and exits 2
     except Exception as exc:  # any component: one clear line, the traceback in a file
+        loop = as_symlink_loop(exc)
+        if loop is not None:
+            raise loop from exc  # a path the user gave: exit 2
         log = Path(cfg.run_dir) / "logs" / "train-error.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         log.write_text(traceback.format_exc())

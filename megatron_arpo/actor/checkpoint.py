@@ -22,7 +22,8 @@ filesystem (a shared one on multi-node jobs).
 
 Loading (:func:`load_checkpoint`): the model always (at any TP/PP); the optimizer and the RNG states only
 when the checkpoint's (tp, pp, dp) equals the current layout (otherwise a warning, and the fp32 master
-weights are refreshed from the loaded model); the LR scheduler state always.
+weights are refreshed from the loaded model); the LR scheduler state always. Every pickle it reads goes
+through an allow-list (:mod:`megatron_arpo.actor.checkpoint_pickles`).
 """
 
 from __future__ import annotations
@@ -40,8 +41,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_arpo.fsutil import fsync_path
 import yaml
+
+from conversion.dcp_pickles import ForeignPickleError
+from conversion.dcp_read import read_dcp_metadata
+from megatron_arpo.actor.checkpoint_pickles import (common_load_strategy, install_restricted_unpickling, load_rng_file,
+                                                    refusals_named)
+from megatron_arpo.fsutil import fsync_path
 
 logger = logging.getLogger(__name__)
 
@@ -77,17 +83,19 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
 
 def check_shard_files(directory: str | os.PathLike) -> list[str]:
     """Problems of one torch distributed-checkpoint directory (``model/`` or ``optim/``), without loading it:
-    an unreadable ``.metadata``, or a ``.distcp`` shard that is missing or shorter than the bytes the
-    metadata places in it (a copy or a save cut short). Empty when every shard is whole."""
-    from torch.distributed.checkpoint import FileSystemReader
-
+    an unreadable ``.metadata`` (or one naming a class outside the allow-list: nothing of it runs), or a
+    ``.distcp`` shard that is missing or shorter than the bytes the metadata places in it (a copy or a
+    save cut short). Empty when every shard is whole."""
     directory = Path(directory)
+    meta_path = directory / ".metadata"
     try:
-        metadata = FileSystemReader(str(directory)).read_metadata()
-    except Exception as exc:  # torch raises pickle/EOF/OSError variants for a damaged .metadata
-        return [f"{directory / '.metadata'}: unreadable ({type(exc).__name__}: {exc})"]
+        _, storage = read_dcp_metadata(meta_path)
+    except ForeignPickleError as exc:
+        return [f"{meta_path}: {str(exc).removeprefix(f'{meta_path}: ')}"]
+    except Exception as exc:  # pickle raises EOF/OSError/... variants for a damaged .metadata
+        return [f"{meta_path}: unreadable ({type(exc).__name__}: {exc})"]
     needed: dict[str, int] = {}
-    for info in (getattr(metadata, "storage_data", None) or {}).values():
+    for info in storage.values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
     problems = []
     for name, size in sorted(needed.items()):
@@ -308,8 +316,10 @@ def load_checkpoint(path: str | os.PathLike, *, model, optimizer=None, scheduler
     ckpt, model_dir = resolve_load_dir(path)
     state_path = ckpt / "state.json"
     state = json.loads(state_path.read_text()) if state_path.exists() else {}
+    install_restricted_unpickling()  # no pickle of the checkpoint runs code (checkpoint_pickles.py)
     model_sd = model.sharded_state_dict()
-    loaded = dist_checkpointing.load(model_sd, str(model_dir))
+    with refusals_named():
+        loaded = dist_checkpointing.load(model_sd, str(model_dir), common_strategy=common_load_strategy())
     missing, unexpected = model.load_state_dict(loaded, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing:
@@ -322,7 +332,9 @@ def load_checkpoint(path: str | os.PathLike, *, model, optimizer=None, scheduler
             with torch.no_grad():  # fp32 main params are views of the (leaf) model parameters
                 optim_sd = optimizer.sharded_state_dict(model.sharded_state_dict(), is_loading=True,
                                                         metadata=OPTIM_METADATA)
-                loaded_optim = dist_checkpointing.load(optim_sd, str(ckpt / "optim"))
+                with refusals_named():
+                    loaded_optim = dist_checkpointing.load(optim_sd, str(ckpt / "optim"),
+                                                           common_strategy=common_load_strategy())
                 optimizer.load_state_dict(loaded_optim)
                 _restore_adam_steps(optimizer, loaded_optim)
             full = True
@@ -336,7 +348,7 @@ def load_checkpoint(path: str | os.PathLike, *, model, optimizer=None, scheduler
         scheduler.load_state_dict(state["scheduler"])
     rng_file = ckpt / "rng" / f"rank_{dist.get_rank():05d}.pt"
     if same_layout and rng_file.exists():
-        set_rng_state(torch.load(rng_file, weights_only=False))
+        set_rng_state(load_rng_file(rng_file))
     dist.barrier()
     logger.info("loaded checkpoint %s (%s)", ckpt, "full state" if full else "model weights")
     return {"step": int(state.get("step", 0)), "extra": state.get("extra", {}), "full_state": full}

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -190,6 +191,9 @@ def _iter_rows(path: Path, fmt: str) -> Iterable[tuple[int, Any, str | None]]:
                 yield i, json.loads(line), None
             except json.JSONDecodeError as exc:
                 yield i, None, f"invalid JSON ({exc.msg} at column {exc.colno})"
+            except RecursionError:
+                yield i, None, f"JSON nested too deeply (deeper than Python's recursion limit of " \
+                               f"{sys.getrecursionlimit()}); flatten the row"
 
 
 def load_prompts(
@@ -204,6 +208,8 @@ def load_prompts(
         raise DatasetError(f"on_bad_row {on_bad_row!r} is not supported; use error or skip")
     path = Path(path)
     if not path.exists():
+        if path.is_symlink():
+            raise DatasetError(f"dataset file {path} is a broken symlink or a symlink loop; point it at the file")
         raise DatasetError(f"dataset file {path} does not exist; check data.train_files / data.val_files")
     if path.is_dir():
         raise DatasetError(f"dataset file {path} is a directory; list the parquet/JSONL files inside it")
@@ -221,6 +227,13 @@ def load_prompts(
             else:
                 record = _jsonl_row(row, where, number - 1, system_prompt, default_source=path.stem,
                                     strict_answers=strict_answers)
+        except RecursionError:  # a deep value that parsed, met by a recursive check of the row
+            exc = DatasetError(f"{where}: JSON nested too deeply; flatten the row")
+            if on_bad_row == "error":
+                raise DatasetError(f"{exc}. Fix the row, or set data.on_bad_row: skip to skip bad rows") from None
+            stats.skipped_bad += 1
+            stats.errors.append(str(exc))
+            continue
         except DatasetError as exc:
             if on_bad_row == "error":
                 raise DatasetError(f"{exc}. Fix the row, or set data.on_bad_row: skip to skip bad rows") from None

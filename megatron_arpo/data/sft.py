@@ -170,6 +170,8 @@ def _iter_rows(path: Path) -> Iterable[tuple[str, Any]]:
                     yield where, json.loads(line)
                 except json.JSONDecodeError as exc:
                     yield where, SFTDataError(f"{where}: invalid JSON ({exc.msg})")
+                except RecursionError:
+                    yield where, SFTDataError(f"{where}: JSON nested too deeply; flatten the row")
     elif path.suffix == ".json":
         try:
             rows = json.loads(path.read_bytes().decode("utf-8"))
@@ -178,6 +180,8 @@ def _iter_rows(path: Path) -> Iterable[tuple[str, Any]]:
                                f"save it as UTF-8") from None
         except json.JSONDecodeError as exc:
             raise SFTDataError(f"{path}: invalid JSON ({exc.msg} at line {exc.lineno})") from None
+        except RecursionError:
+            raise SFTDataError(f"{path}: JSON nested too deeply; flatten it") from None
         if not isinstance(rows, list):
             raise SFTDataError(f"{path}: a .json SFT file must hold a list of conversations")
         for i, row in enumerate(rows, start=1):

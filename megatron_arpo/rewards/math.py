@@ -21,9 +21,10 @@ Format handling of `compute_score`:
 
 Timeouts: math-verify guards sympy with `signal.alarm`, which only works in the main thread and cancels
 any other ITIMER_REAL timer of the process. In the main thread with no timer pending we let it do that;
-anywhere else (worker threads, async actors, under pytest-timeout) we disable its signals and run the
-call in a daemon thread that we stop waiting for after `timeout_seconds` (the abandoned thread finishes
-in the background; its result is discarded and the answer scores False).
+anywhere else (worker threads, async actors, under pytest-timeout) the comparison runs in a child process
+(`megatron_arpo.rewards.math_worker`) that is killed when it overruns: sympy can hold the GIL for minutes
+(`\\boxed{9^{9^{9^9}}}`), so neither a thread nor a signal would get control back. A timeout scores 0.0
+and logs the reason.
 """
 
 from __future__ import annotations
@@ -32,16 +33,16 @@ import logging
 import re
 import signal
 import threading
-from collections.abc import Callable, Iterable
-from typing import Any, TypeVar
+from collections.abc import Iterable
+from typing import Any
 
+from megatron_arpo.rewards.math_worker import verify_in_worker
 from megatron_arpo.rewards.text import as_gold_list, extract_answer, find_closing_brace
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_SECONDS = 5
 
-_T = TypeVar("_T")
 _PLAIN_WORDS = re.compile(r"[a-z]+( [a-z]+)*")
 # Wrappers whose content is the answer: \text{Paris} -> Paris.
 _UNWRAP = re.compile(r"\\(?:text|textbf|mathrm|mathbf|mbox)\{([^{}]*)\}")
@@ -73,34 +74,6 @@ def _can_use_signals() -> bool:
     return signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
 
 
-def call_with_timeout(fn: Callable[[int | None], _T], timeout_seconds: int) -> _T:
-    """Run `fn(native_timeout)` with a timeout; raises TimeoutError when it fires.
-
-    `fn` receives the timeout math-verify should enforce itself with signals, or None when signals
-    are unusable here; then the call runs in a daemon thread and is abandoned after `timeout_seconds`.
-    """
-    if timeout_seconds <= 0:
-        raise ValueError(f"timeout_seconds must be a positive integer, got {timeout_seconds!r}")
-    if _can_use_signals():
-        return fn(timeout_seconds)
-    outcome: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            outcome["value"] = fn(None)
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
-            outcome["error"] = exc
-
-    worker = threading.Thread(target=run, name="math-verify", daemon=True)
-    worker.start()
-    worker.join(timeout_seconds)
-    if worker.is_alive():
-        raise TimeoutError(f"math-verify did not finish within {timeout_seconds} s")
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["value"]
-
-
 def _as_boxed(answer: str) -> str:
     stripped = answer.strip()
     # Only wrap when the braces balance; otherwise math-verify would mis-read the boxed span.
@@ -109,13 +82,18 @@ def _as_boxed(answer: str) -> str:
 
 
 class _DropTimeoutDisabledWarning(logging.Filter):
-    """math-verify warns once that its timeout is off; here that is deliberate (call_with_timeout)."""
+    """math-verify warns once that its timeout is off; here that is deliberate (no signals off the main thread)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return "Timeout is disabled" not in record.getMessage()
 
 
 _warning_filter_installed = False
+
+
+def verify_here(prediction: str, gold: str, timeout_seconds: int) -> bool:
+    """math-verify in this process, its timeout enforced with signals: main thread, no other timer."""
+    return _verify(prediction, gold, timeout_seconds)
 
 
 def _verify(prediction: str, gold: str, native_timeout: int | None) -> bool:
@@ -151,8 +129,15 @@ def math_equal(prediction: str, gold: str, timeout_seconds: int = DEFAULT_TIMEOU
     words = [" ".join(side.lower().split()).rstrip(".") for side in (prediction, gold)]
     if all(_PLAIN_WORDS.fullmatch(side) for side in words):
         return False
+    if timeout_seconds <= 0:
+        raise ValueError(f"timeout_seconds must be a positive integer, got {timeout_seconds!r}")
     try:
-        return call_with_timeout(lambda native: _verify(prediction, gold, native), timeout_seconds)
+        if _can_use_signals():
+            return verify_here(prediction, gold, timeout_seconds)
+        return verify_in_worker(prediction, gold, timeout_seconds)
+    except TimeoutError as exc:
+        logger.warning("math reward: %s comparing %.80r with %.80r; scored as not equal", exc, prediction, gold)
+        return False
     except Exception as exc:  # noqa: BLE001 - any parser failure means "not shown equal"
         logger.debug("math-verify failed on %r vs %r: %s", prediction, gold, exc)
         return False

@@ -50,6 +50,8 @@ class SearchToolSection:
     index_version: Optional[str] = setting(None, help="http: a name for the index behind url; part of the tool-cache "
                                       "key, change it when the index changes")
     timeout_s: float = setting(30.0, gt=0, help="http/web request timeout")  # one default (web used 60 s before)
+    max_response_bytes: int = setting(16 << 20, ge=1024, le=1 << 30, help="http/web: largest answer body read; a "
+                                      "larger one is a tool error")
     api_key_env: str = setting("BRIGHT_DATA_API_KEY", help="web: NAME of the env var holding the key")
     zone: Optional[str] = setting(None, help="web: Bright Data zone")
     location: str = setting("us", help="web: country code of the search market")

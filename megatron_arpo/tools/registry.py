@@ -74,10 +74,11 @@ def build_search_tool(cfg: SearchToolSection | Mapping[str, Any]) -> Tool:
     elif cfg.backend == "http":
         if not cfg.url:
             raise ValueError("tools.search.url is required for backend 'http' (e.g. http://127.0.0.1:8000/retrieve)")
-        backend = search.HttpRetrieverBackend(cfg.url, timeout_s=cfg.timeout_s, index_version=cfg.index_version)
+        backend = search.HttpRetrieverBackend(cfg.url, timeout_s=cfg.timeout_s, index_version=cfg.index_version,
+                                              max_response_bytes=cfg.max_response_bytes)
     elif cfg.backend == "web":
         backend = search.WebSearchBackend(api_key_env=cfg.api_key_env, zone=cfg.zone, location=cfg.location,
-                                          timeout_s=cfg.timeout_s)
+                                          timeout_s=cfg.timeout_s, max_response_bytes=cfg.max_response_bytes)
     else:
         raise ValueError(f"tools.search.backend={cfg.backend!r}; allowed values are {list(SEARCH_BACKENDS)}")
     return search.SearchTool(backend, topk=cfg.topk, result_chars=cfg.result_chars, tag=cfg.tag)

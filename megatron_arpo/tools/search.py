@@ -203,11 +203,16 @@ class LocalBM25Backend:
         return await asyncio.to_thread(self.search_sync, query, topk)
 
 
-class _HttpBackend:
-    """Shared aiohttp session handling; the session is created in the loop that uses it."""
+DEFAULT_MAX_RESPONSE_BYTES = 16 << 20  # a retriever answer of topk passages is kilobytes
 
-    def __init__(self, timeout_s: float):
+
+class _HttpBackend:
+    """Shared aiohttp session handling; the session is created in the loop that uses it. An answer body
+    larger than ``max_response_bytes`` is refused (a tool error) without being read further."""
+
+    def __init__(self, timeout_s: float, max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES):
         self.timeout_s = float(timeout_s)
+        self.max_response_bytes = int(max_response_bytes)
         self._session = None
         self._session_loop = None
 
@@ -227,7 +232,7 @@ class _HttpBackend:
         session = self._get_session()
         try:
             async with session.post(url, json=payload, headers=headers) as response:
-                body = await response.text()
+                body = await self._read_capped(response, what)
                 if response.status >= 500 or response.status == 429:
                     raise TransportError(f"{what} answered HTTP {response.status}")
                 if response.status >= 400:
@@ -241,6 +246,19 @@ class _HttpBackend:
         except ValueError as exc:
             raise ToolError(f"{what} answered with non-JSON: {body[:200]!r}") from exc
 
+    async def _read_capped(self, response, what: str) -> str:
+        cap = self.max_response_bytes
+        too_big = (f"{what} answered more than {cap} bytes (tools.search.max_response_bytes); the answer was not "
+                   f"read. Ask for fewer passages (tools.search.topk) or raise the cap")
+        if response.content_length is not None and response.content_length > cap:
+            raise ToolError(too_big)
+        body = bytearray()
+        async for chunk in response.content.iter_chunked(1 << 16):
+            body += chunk
+            if len(body) > cap:
+                raise ToolError(too_big)
+        return bytes(body).decode(response.charset or "utf-8", errors="replace")
+
     async def close(self) -> None:
         if self._session is not None and not self._session.closed and self._session_loop is asyncio.get_running_loop():
             await self._session.close()
@@ -250,8 +268,9 @@ class _HttpBackend:
 class HttpRetrieverBackend(_HttpBackend):
     """Client of a FlashRAG/Search-R1 style retrieval service (`POST /retrieve`)."""
 
-    def __init__(self, url: str, *, timeout_s: float = 30.0, index_version: Optional[str] = None):
-        super().__init__(timeout_s)
+    def __init__(self, url: str, *, timeout_s: float = 30.0, index_version: Optional[str] = None,
+                 max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES):
+        super().__init__(timeout_s, max_response_bytes)
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"search: retriever url {redact_url(url)!r} must start with http:// or https://")
         self.url = url
@@ -295,8 +314,9 @@ class WebSearchBackend(_HttpBackend):
         zone: Optional[str] = None,
         location: str = "us",
         timeout_s: float = 60.0,
+        max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
     ):
-        super().__init__(timeout_s)
+        super().__init__(timeout_s, max_response_bytes)
         self.api_key_env = api_key_env
         self.zone = zone
         self.location = location

@@ -28,8 +28,9 @@ dicts), so it is unit-tested without engines. Key names (the ``metrics.jsonl`` c
 - ``sync/seconds`` (wall time of the whole sync), ``sync/send_s`` (the slowest stage sender),
   ``sync/gb_per_s``, ``sync/bytes``, ``sync/buckets``, ``sync/driver_bytes`` (metadata through the
   driver), ``sync/driver_weight_bytes`` (weight bytes through the driver: 0), ``sync/verified``.
-- ``time/<phase>_s`` for rollout, reward, advantage, logprob, ref_logprob, update, sync, validate, save,
-  ``time/step_s`` and ``time/outside_model_frac``: the share of the step's wall time outside model
+- ``time/<phase>_s`` for rollout, reward, advantage, logprob, ref_logprob, update, sync, validate,
+  ``time/step_s`` (the row is written before the step's checkpoint, so neither holds the save: its time
+  is in the log) and ``time/outside_model_frac``: the share of the step's wall time outside model
   compute, i.e. not in rollout, log-prob, update or validation phases. Rollout time includes waiting
   for tools when no generation overlaps it, so this share is a lower bound.
 - ``val/reward``, ``val/accuracy``, ``val/<data_source>/reward``, ``val/<data_source>/accuracy``.

@@ -169,3 +169,41 @@ def test_keep_last_and_latest(runs, tmp_path):
     removed = prune_checkpoints(root, 1)
     assert [p.name for p in removed] == ["step-3"]
     assert (root / "step-7").exists()  # newer than the kept one: maybe still being written
+
+
+def _load_only(rank, world_size, hf_dir, load_dir):
+    from megatron_arpo.actor.worker import MegatronActorWorker
+
+    worker = MegatronActorWorker(_config(1), rank, world_size)
+    try:
+        worker.init_model(load_dir=load_dir, total_steps=TOTAL_OPT_STEPS)
+    except Exception as exc:  # noqa: BLE001 - the test reads the message
+        return f"{type(exc).__name__}: {exc}"
+    return "loaded"
+
+
+@pytest.mark.parametrize("what", ["model/.metadata", "model/common.pt", "rng/rank_*.pt"])
+def test_the_actor_load_never_runs_code_from_a_crafted_pickle(runs, tmp_path, what):
+    """Megatron's own loader, as the actor's resume calls it: the crafted file is refused, named, and nothing ran."""
+    marker = tmp_path / "pwned"
+    ckpt = tmp_path / "step-2"
+    shutil.copytree(runs["root"] / "resume" / "step-2", ckpt)
+    shutil.rmtree(ckpt / "optim")  # the model's own files and the RNG states are under test
+
+    class Touch:
+        def __reduce__(self):
+            import os
+
+            return os.system, (f"touch {marker}",)
+
+    targets = sorted(ckpt.glob(what))
+    for path in targets:
+        if path.name == ".metadata":  # a torch name first: the trick that reached plain pickle.load
+            path.write_bytes(b"ctorch\nnn\n0cposix\nsystem\n(Vtouch " + str(marker).encode() + b"\ntR.")
+        else:
+            torch.save({"step": Touch()}, path)
+    outcome = run_distributed(_load_only, 2, runs["hf_dir"], str(ckpt), timeout=400)
+    assert not marker.exists(), "a checkpoint pickle ran code"
+    for rank, message in enumerate(outcome):
+        named = targets[rank] if len(targets) == 2 else targets[0]
+        assert str(named) in message and ("refusing" in message or "refused" in message), (rank, message)

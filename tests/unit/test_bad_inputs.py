@@ -229,6 +229,341 @@ CASES = [
 ]
 
 
+def _evil_pickle(marker: Path, torch_name_first: bool = False) -> bytes:
+    """A pickle that runs ``touch marker`` when loaded unrestricted, optionally naming a torch class first."""
+    head = b"ctorch\nnn\n0" if torch_name_first else b""
+    return head + b"cposix\nsystem\n(Vtouch " + str(marker).encode() + b"\ntR."
+
+
+def _crafted_checkpoint(what: str, torch_name_first: bool = False) -> Callable[[Path], dict]:
+    """A training checkpoint ``step-3`` whose model ``.metadata`` (or ``common.pt``) would run ``touch``."""
+    def make_cfg(d: Path) -> dict:
+        import torch
+        import torch.distributed.checkpoint as dcp
+
+        step = d / "run" / "checkpoints" / "step-3"
+        dcp.save({"w": torch.arange(256, dtype=torch.float32)}, checkpoint_id=str(step / "model"))
+        (step / "COMPLETE").write_text("3\n")
+        (step / "model" / what).write_bytes(_evil_pickle(d / "pwned", torch_name_first))
+        return _base(d, trainer={"train_batch_size": 1}, actor={"mini_batch_size": 1})
+    return make_cfg
+
+
+def _crafted_conversion(d: Path) -> list[str]:
+    from conversion.dist_ckpt import convert_hf_to_megatron
+    from megatron_arpo.tiny.checkpoint import tiny_checkpoint
+
+    mg = convert_hf_to_megatron(tiny_checkpoint("tiny-qwen3"), d / "mg")
+    (Path(mg) / ".metadata").write_bytes(_evil_pickle(d / "pwned", torch_name_first=True))
+    return ["megatron-to-hf", "--megatron", str(mg), "--out", str(d / "hf-out")]
+
+
+# Code from a checkpoint (issue 29, item 3): refused with the file named, and nothing ran.
+CODE_CASES = [
+    Case("train resuming a .metadata that runs code", train(_crafted_checkpoint(".metadata"), "--resume", "auto"),
+         ("checkpoint {d}/run/checkpoints/step-3 is damaged", "step-3/model/.metadata: refusing to load posix.system")),
+    Case("train resuming a .metadata naming torch first", train(_crafted_checkpoint(".metadata", True), "--resume",
+                                                                 "auto"),
+         ("step-3/model/.metadata: refusing to load torch.nn",)),
+    Case("megatron-to-hf of a .metadata naming torch first", _crafted_conversion,
+         ("{d}/mg/.metadata: refusing to load torch.nn", "not converted")),
+]
+
+
+@pytest.mark.parametrize("case", CODE_CASES, ids=[c.name for c in CODE_CASES])
+def test_a_checkpoint_pickle_never_runs_code(case, tmp_path, capsys, monkeypatch):
+    from conversion.__main__ import main as conversion_main
+
+    monkeypatch.chdir(tmp_path)
+    argv = case.make(tmp_path)
+    capsys.readouterr()
+    code = conversion_main(argv) if argv[0] == "megatron-to-hf" else cli.main(argv)
+    err = capsys.readouterr().err
+    assert not (tmp_path / "pwned").exists(), "the checkpoint's pickle ran code"
+    assert code == 2, (code, err)
+    for text in case.expect:
+        assert text.replace("{d}", str(tmp_path)) in err, err
+    assert "Traceback" not in err
+
+
+def _converted(d: Path, nan_in: str | None = None) -> Path:
+    """tiny-qwen3 as a Megatron checkpoint (``hf-to-megatron``), optionally with one NaN in HF tensor ``nan_in``."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from conversion.dist_ckpt import convert_hf_to_megatron
+    from megatron_arpo.tiny.checkpoint import tiny_checkpoint
+
+    hf = Path(tiny_checkpoint("tiny-qwen3"))
+    if nan_in is not None:
+        shutil.copytree(hf, d / "hf-nan")
+        hf = d / "hf-nan"
+        for shard in hf.glob("*.safetensors"):
+            tensors = load_file(shard)
+            if nan_in in tensors:
+                tensors[nan_in].view(-1)[7] = float("nan")
+                save_file(tensors, shard, metadata={"format": "pt"})
+    return convert_hf_to_megatron(hf, d / "mg")
+
+
+def _corrupt_distcp(d: Path) -> list[str]:
+    """4 KB of random bytes in the middle of the largest saved chunk (inside its tensor data)."""
+    import random
+
+    from conversion.dcp_read import read_dcp_metadata
+
+    mg = _converted(d)
+    where = max(read_dcp_metadata(mg / ".metadata")[1].values(), key=lambda info: info.length)
+    shard = mg / where.relative_path
+    data = bytearray(shard.read_bytes())
+    middle = where.offset + where.length // 2
+    data[middle:middle + 4096] = random.Random(29).randbytes(4096)
+    shard.write_bytes(bytes(data))
+    return ["megatron-to-hf", "--megatron", str(mg), "--out", str(d / "hf-out")]
+
+
+def _nonfinite(*extra: str) -> Callable[[Path], list[str]]:
+    def make(d: Path) -> list[str]:
+        mg = _converted(d, nan_in="model.layers.0.mlp.down_proj.weight")
+        return ["megatron-to-hf", "--megatron", str(mg), "--out", str(d / "hf-out"), *extra]
+    return make
+
+
+# Integrity of megatron-to-hf (issue 29, item 7): a damaged shard or NaN weights are refused, named.
+INTEGRITY_CASES = [
+    Case("megatron-to-hf of a .distcp with 4 KB of random bytes", _corrupt_distcp,
+         (".distcp: ", "fails its CRC-32 check", "the shard is corrupt, copy the checkpoint again")),
+    Case("megatron-to-hf of a NaN weight", _nonfinite(),
+         ("decoder.layers.mlp.linear_fc2.weight", "1 non-finite value(s) (NaN or Inf)", "--allow-nonfinite")),
+]
+
+
+@pytest.mark.parametrize("case", INTEGRITY_CASES, ids=[c.name for c in INTEGRITY_CASES])
+def test_megatron_to_hf_refuses_damaged_weights(case, tmp_path, capsys):
+    from conversion.__main__ import main as conversion_main
+
+    argv = case.make(tmp_path)
+    capsys.readouterr()
+    code = conversion_main(argv)
+    err = capsys.readouterr().err
+    assert code == 2, (code, err)
+    for text in case.expect:
+        assert text.replace("{d}", str(tmp_path)) in err, err
+    assert "Traceback" not in err and not (tmp_path / "hf-out").exists()
+
+
+def test_allow_nonfinite_converts_the_nan_as_is(tmp_path):
+    from safetensors.torch import load_file
+
+    from conversion.__main__ import main as conversion_main
+
+    assert conversion_main(_nonfinite("--allow-nonfinite")(tmp_path)) == 0
+    weights = {k: v for shard in (tmp_path / "hf-out").glob("*.safetensors") for k, v in load_file(shard).items()}
+    assert weights["model.layers.0.mlp.down_proj.weight"].isnan().sum() == 1
+
+
+def _megatron_checkpoint(d: Path) -> Path:
+    """A Megatron torch_dist checkpoint as Megatron lays it out (metadata.json, common.pt, DCP files),
+    written without a process group."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    out = d / "ckpt"
+    dcp.save({"w": torch.arange(16, dtype=torch.float32)}, checkpoint_id=str(out))
+    torch.save({"step": 3}, out / "common.pt")
+    (out / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                                                   "common_backend": "torch", "common_backend_version": 1}))
+    return out
+
+
+def test_megatrons_own_loader_reads_checkpoint_pickles_only_through_the_allow_lists(tmp_path):
+    """What the actor's resume calls (actor/checkpoint.py load_checkpoint): DCP's .metadata reader,
+    Megatron's common.pt loader, DCP's byte items and our RNG file; each crafted file is refused, named."""
+    import io
+
+    import torch
+    from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    from megatron_arpo.actor import checkpoint_pickles
+
+    checkpoint_pickles.install_restricted_unpickling()
+    ckpt = _megatron_checkpoint(tmp_path)
+    assert dist_checkpointing.load_tensors_metadata(str(ckpt))["w"].global_shape == (16,)  # a real one loads
+    assert checkpoint_pickles.common_load_strategy().load_common(ckpt)["step"] == 3
+    marker = tmp_path / "pwned"
+
+    (ckpt / ".metadata").write_bytes(_evil_pickle(marker, torch_name_first=True))
+    with pytest.raises(pickle_error(), match=rf"{ckpt}/\.metadata: refusing to load torch\.nn"):
+        dist_checkpointing.load_tensors_metadata(str(ckpt))
+    (ckpt / ".metadata").write_bytes(_evil_pickle(marker))
+    with pytest.raises(pickle_error(), match=rf"{ckpt}/\.metadata: refusing to load posix\.system"):
+        dist_checkpointing.load_tensors_metadata(str(ckpt))
+
+    class Touch:
+        def __reduce__(self):
+            return os.system, (f"touch {marker}",)
+
+    torch.save({"step": Touch()}, ckpt / "common.pt")
+    with pytest.raises(checkpoint_pickles.UnsafeCheckpointError, match=rf"{ckpt}/common\.pt: .*posix\.system"):
+        checkpoint_pickles.common_load_strategy().load_common(ckpt)
+    torch.save({"python": Touch()}, tmp_path / "rank_00000.pt")
+    with pytest.raises(checkpoint_pickles.UnsafeCheckpointError, match="rank_00000.pt: .*posix.system"):
+        checkpoint_pickles.load_rng_file(tmp_path / "rank_00000.pt")
+
+    item = type("Item", (), {"dest_index": type("Index", (), {"fqn": "decoder._extra_state"})()})()
+    payload = io.BytesIO()
+    torch.save(Touch(), payload)
+    with pytest.raises(checkpoint_pickles.UnsafeCheckpointError, match="decoder._extra_state"):
+        DefaultLoadPlanner().load_bytes(item, io.BytesIO(payload.getvalue()))
+    assert not marker.exists(), "a checkpoint pickle ran code"
+
+
+def test_a_megatron_written_metadata_passes_the_allow_list(tmp_path):
+    """Megatron's save planner leaves SavePlans (WriteItems, TensorWriteData, enums) in ``planner_data``."""
+    import pickle
+
+    import torch
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex
+    from torch.distributed.checkpoint.planner import (BytesIOWriteData, SavePlan, TensorWriteData, WriteItem,
+                                                      WriteItemType)
+
+    from conversion import dcp_pickles
+
+    chunk = ChunkStorageMetadata(offsets=torch.Size([0]), sizes=torch.Size([4]))
+    items = [WriteItem(MetadataIndex("w", torch.Size([0])), WriteItemType.SHARD,
+                       tensor_data=TensorWriteData(chunk, None, torch.Size([4]))),
+             WriteItem(MetadataIndex("obj"), WriteItemType.BYTE_IO, bytes_io_data=BytesIOWriteData(nbytes=3))]
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(Metadata({}, planner_data=[SavePlan(items, {"w": ("w",)})])))
+    with open(tmp_path / ".metadata", "rb") as fh:
+        loaded = dcp_pickles.load_torch_metadata(fh)
+    assert loaded.planner_data[0].items[1].type is WriteItemType.BYTE_IO
+
+
+def test_the_resume_checks_every_record_crc(tmp_path):
+    """DCP's chunk reader (what Megatron's loader calls on resume) refuses a flipped byte, naming the file."""
+    import struct
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from conversion.dcp_read import read_dcp_metadata
+    from megatron_arpo.actor import checkpoint_pickles
+
+    checkpoint_pickles.install_restricted_unpickling()
+    ckpt = _megatron_checkpoint(tmp_path)
+    loaded = {"w": torch.zeros(16)}
+    dcp.load(loaded, checkpoint_id=str(ckpt))
+    assert torch.equal(loaded["w"], torch.arange(16, dtype=torch.float32))
+    where = read_dcp_metadata(ckpt / ".metadata")[1][("w", (0,))]
+    shard = ckpt / where.relative_path
+    data = bytearray(shard.read_bytes())
+    data[where.offset + data[where.offset:].index(struct.pack("<4f", 4, 5, 6, 7))] ^= 0x40  # 4.0 -> 4.0000153
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=rf"^{shard}: record at bytes .* fails its CRC-32 check.*resume from an earlier"):
+        with checkpoint_pickles.refusals_named():
+            dcp.load({"w": torch.zeros(16)}, checkpoint_id=str(ckpt))
+
+
+class _HugeAnswer:
+    """A retriever that answers 500 MB: with a Content-Length, or chunked without one (streamed until the
+    client hangs up). Nothing is buffered here."""
+
+    def __init__(self):
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        import threading
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                chunked = self.path.endswith("/chunked")
+                self.send_header(*(("Transfer-Encoding", "chunked") if chunked else ("Content-Length", str(500 << 20))))
+                self.end_headers()
+                block = b'{"result": [[' + b" " * ((1 << 20) - 14) + b"\n"
+                try:
+                    for _ in range(500):
+                        self.wfile.write(b"%x\r\n%s\r\n" % (len(block), block) if chunked else block)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+
+@pytest.mark.parametrize("path", ["/retrieve", "/retrieve/chunked"])
+def test_a_500_mb_retriever_answer_is_a_tool_error(path):
+    import asyncio
+
+    from megatron_arpo.tools.registry import build_tools
+
+    server = _HugeAnswer()
+    try:
+        executor = build_tools({"python": {"enabled": False}, "cache": None, "retries": 0,
+                                "search": {"backend": "http", "url": server.url + path, "max_response_bytes": 1 << 20}})
+
+        async def call():
+            try:
+                return await executor.execute("search", "q")
+            finally:
+                await executor.close()
+
+        result = asyncio.run(call())
+    finally:
+        server.server.shutdown()
+    assert result.error is not None and "Traceback" not in result.text
+    assert "answered more than 1048576 bytes (tools.search.max_response_bytes)" in result.text, result.text
+
+
+def pickle_error():
+    import pickle
+
+    return pickle.UnpicklingError
+
+
+def _loop(d: Path) -> Path:
+    """``d/a -> d/b -> d/a``: a symlink loop."""
+    if not (d / "a").is_symlink():
+        (d / "a").symlink_to(d / "b")
+        (d / "b").symlink_to(d / "a")
+    return d / "a"
+
+
+DEEP_ROW = b'{"question": "q?", "answer": ' + b"[" * 100_000 + b"]" * 100_000 + b"}\n"
+
+# Symlink loops and deep JSON (issue 29, item 8): one clear line, exit 2.
+CASES += [
+    Case("config file is a symlink loop", lambda d: ["config", "validate", "--config", str(_loop(d))],
+         ("{d}/a: a symlink loop (links that point back to each other)",)),
+    Case("train file inside a symlink loop",
+         validate(lambda d: _base(d, data={"train_files": [str(_loop(d) / "qa.jsonl")]}), "--paths", "train"),
+         ("data.train_files[0]: file", "not found (a broken symlink or a symlink loop)")),
+    Case("train with a run_dir that is a symlink loop",
+         train(lambda d: _base(d, trainer={"run_dir": str(_loop(d)), "train_batch_size": 1},
+                               actor={"mini_batch_size": 1})),
+         ("{d}/a: a symlink loop", "give the real path")),
+    Case("JSONL row nested 100k deep", data_file("qa.jsonl", [GOOD, DEEP_ROW]),
+         ("qa.jsonl row 2: JSON nested too deeply", "flatten the row")),
+    Case("SFT row nested 100k deep", sft_file("sft.jsonl", DEEP_ROW), ("sft.jsonl:1: JSON nested too deeply",)),
+]
+
+
+def test_an_eval_row_nested_100k_deep_is_a_dataset_error(tmp_path):
+    from evaluation.datasets import DatasetError, load_dataset
+
+    (tmp_path / "gsm8k").mkdir()
+    (tmp_path / "gsm8k" / "test.jsonl").write_bytes(DEEP_ROW)
+    with pytest.raises(DatasetError, match=r"test.jsonl line 1: JSON nested too deeply"):
+        load_dataset("gsm8k", tmp_path)
+
+
 @pytest.fixture(autouse=True)
 def _console_handlers_stay_in_their_test():
     """`train` installs a console log handler bound to this test's captured stderr: remove it afterwards."""

@@ -115,7 +115,7 @@ def test_truncated_or_corrupt_megatron_files_are_named(converted, tmp_path):
     _assert_clean_error(proc, f"{shard}: truncated .distcp shard", "copy it again")
     shard.write_bytes(data[:100] + b"\xff" * (len(data) - 100))  # right size, garbage bytes
     proc = run_cli("megatron-to-hf", "--megatron", bad, "--out", tmp_path / "hf", check=False)
-    _assert_clean_error(proc, f"{shard}: cannot read")
+    _assert_clean_error(proc, f"{shard}: ", "not a readable torch.save record", "the shard is corrupt")
     shard.write_bytes(data)
     (bad / ".metadata").write_bytes((bad / ".metadata").read_bytes()[:50])
     proc = run_cli("megatron-to-hf", "--megatron", bad, "--out", tmp_path / "hf", check=False)

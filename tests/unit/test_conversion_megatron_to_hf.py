@@ -150,7 +150,7 @@ def test_pickles_are_read_without_torch_and_match_torchs_reading(converted):
     # builtins.print("pwned"), written as opcodes: pickling `print` itself names whatever replaced it (Ray's
     # tqdm_ray patches builtins.print once a Ray driver ran in this process).
     (bad / ".metadata").write_bytes(b"cbuiltins\nprint\n(Vpwned\ntR.")
-    with pytest.raises(ValueError, match=r"\.metadata: cannot be read.*refusing to load builtins\.print"):
+    with pytest.raises(ValueError, match=r"\.metadata: refusing to load builtins\.print"):
         dcp_read.DistCheckpointReader(bad)
 
 

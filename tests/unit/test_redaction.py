@@ -25,6 +25,14 @@ from megatron_arpo.tools.search import HttpRetrieverBackend, SearchTool
     ("retriever http://host:8000/retrieve unreachable", "retriever http://host:8000/retrieve unreachable"),
     ("ssh://git@github.com:22/x", "ssh://git@github.com:22/x"),
     ("mailto:a@b.c and http://host/path@x", "mailto:a@b.c and http://host/path@x"),
+    # issue 29: a token as the user name, secret query parameters, a raw '/' in a password
+    ("https://ghp_abcdefghijklmnop1234@github.com/o/r.git", "https://***@github.com/o/r.git"),
+    ("https://hf_Ab12cd34@huggingface.co/x", "https://***@huggingface.co/x"),
+    ("http://h:8/r?api_key=S3CRET&q=1", "http://h:8/r?api_key=***&q=1"),
+    ("http://h/r?q=1&token=T0K&key=K3Y#f", "http://h/r?q=1&token=***&key=***#f"),
+    ("'http://h/r?access_token=abc' failed", "'http://h/r?access_token=***' failed"),
+    ("http://u:pa/ss@host:8000/retrieve", "http://u:***@host:8000/retrieve"),
+    ("http://host:8000/a?email=x@y.com&page=2", "http://host:8000/a?email=x@y.com&page=2"),
 ])
 def test_redact_url(text, expected):
     assert redact_url(text) == expected
@@ -89,3 +97,23 @@ def test_config_show_redacts_url_passwords():
                             "--set", "tools.search.backend=http", "--set", "tools.search.url=http://bob:pw-456@h:8/r"],
                            capture_output=True, text=True, check=True).stdout
     assert "pw-456" not in shown and "http://bob:***@h:8/r" in shown
+
+
+CREDENTIAL_URLS = {"ghp_tok3nAsUserName123": "https://ghp_tok3nAsUserName123@h:8/r",
+                   "qu3ry-k3y": "http://h:8/r?api_key=qu3ry-k3y",
+                   "pa/ss-789": "http://bob:pa/ss-789@h:8/r"}
+
+
+@pytest.mark.parametrize("secret", sorted(CREDENTIAL_URLS))
+def test_config_show_and_tool_errors_mask_every_credential_form(secret, capsys):
+    from megatron_arpo import cli
+
+    url = CREDENTIAL_URLS[secret]
+    demo = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs",
+                        "demo.yaml")
+    assert cli.main(["config", "show", "--config", demo, "--set", "tools.search.backend=http",
+                     "--set", f"tools.search.url={url}"]) == 0
+    shown = capsys.readouterr().out
+    assert secret not in shown and "***" in shown
+    text = format_tool_error("search", f"retriever {url} answered HTTP 500")
+    assert secret not in text and "***" in text

@@ -213,44 +213,57 @@ def test_math_reward_from_worker_threads():
     assert results == [c[2] for c in cases] * 2
 
 
-def test_call_with_timeout_uses_thread_mode_off_main_thread_and_fires():
-    seen = []
-
-    def slow(native_timeout):
-        seen.append(native_timeout)
-        time.sleep(3)
-        return True
-
-    errors = []
+def test_a_power_tower_scores_0_off_the_main_thread_and_the_next_answer_still_scores():
+    """sympy holds the GIL building 9^(9^(9^9)): off the main thread the comparison runs in a worker process,
+    which is killed at the limit (a thread could not be abandoned: the caller never got the GIL back)."""
+    results = []
 
     def run():
-        try:
-            math_reward.call_with_timeout(slow, 1)
-        except TimeoutError as exc:
-            errors.append(exc)
+        results.append(math_reward.compute_score(T + "<answer>\\boxed{9^{9^{9^9}}}</answer>", "5"))
+        results.append(math_reward.math_equal("1/2", "0.5", timeout_seconds=5))
 
-    worker = threading.Thread(target=run)
+    worker = threading.Thread(target=run, daemon=True)
     worker.start()
-    worker.join()
-    assert seen == [None]  # signals disabled off the main thread
-    assert len(errors) == 1 and "did not finish within 1 s" in str(errors[0])
+    worker.join(300)
+    assert not worker.is_alive(), "the math reward never returned off the main thread"
+    assert results == [0.0, True]
 
 
-def test_call_with_timeout_uses_signals_only_in_a_main_thread_without_a_timer():
+def test_a_worker_that_overruns_is_killed_and_replaced(monkeypatch):
+    from megatron_arpo.rewards import math_worker
+
+    monkeypatch.setattr(math_worker, "GRACE_S", 0.0)
+    worker = math_worker.VerifyWorker()
+    assert worker.verify("1/2", "0.5", 5)
+    worker.proc.send_signal(19)  # SIGSTOP: the child stops answering, as one stuck in C code does
+    with pytest.raises(TimeoutError, match="did not finish within 1 s"):
+        worker.verify("1/2", "0.5", 1)
+    assert worker.proc.poll() is not None  # killed
+    results = []
+    thread = threading.Thread(target=lambda: results.append(math_reward.math_equal("1/2", "0.5")))
+    thread.start()
+    thread.join(300)
+    assert results == [True]
+
+
+def test_signals_are_used_only_in_a_main_thread_without_a_timer():
     # In a fresh process: the test runner may itself hold an ITIMER_REAL (pytest-timeout).
     code = textwrap.dedent("""
-        import signal
-        from megatron_arpo.rewards.math import call_with_timeout, math_equal
-        assert call_with_timeout(lambda native: native, 5) == 5      # main thread, no timer: signals
+        import signal, threading
+        from megatron_arpo.rewards import math as m
+        assert m._can_use_signals()                                   # main thread, no timer: signals
         previous = signal.signal(signal.SIGALRM, lambda *_: None)
         signal.setitimer(signal.ITIMER_REAL, 600)
-        assert call_with_timeout(lambda native: native, 5) is None   # a timer is pending: thread mode
-        assert math_equal("0.5", "0.50")
+        assert not m._can_use_signals()                               # a timer is pending: the worker
+        assert m.math_equal("0.5", "0.50") and m.math_equal("1/2", "0.5")
         assert signal.getitimer(signal.ITIMER_REAL)[0] > 0            # the other timer survived
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
-        assert math_equal("1/2", "0.5") and not math_equal("1/3", "0.5")
+        assert m.math_equal("1/2", "0.5") and not m.math_equal("1/3", "0.5")
         assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)    # math-verify cleaned up its alarm
+        seen = []
+        t = threading.Thread(target=lambda: seen.append(m._can_use_signals())); t.start(); t.join()
+        assert seen == [False]
     """)
     result = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2],
                             capture_output=True, text=True)
