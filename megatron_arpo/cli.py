@@ -25,7 +25,7 @@ from typing import Callable, Sequence
 import yaml
 
 from megatron_arpo import __version__
-from megatron_arpo.config import ConfigError, ExperimentConfig, load_config
+from megatron_arpo.config import ConfigError, ExperimentConfig, config_warnings, load_config
 from megatron_arpo.errors import InputError
 
 PROG = "megatron-arpo"
@@ -97,6 +97,8 @@ def config_main(argv: Sequence[str]) -> int:
         preflight(cfg, args.paths)
     else:
         check_tools(cfg, with_files=False)
+    for warning in config_warnings(cfg):
+        print(f"warning: {warning}", file=sys.stderr)
     print(f"{args.config}: OK" + (f" (paths and data checked for {args.paths})" if args.paths else ""))
     return 0
 
