@@ -13,14 +13,16 @@ flatpak is built on; Debian package `bubblewrap`). What the run gets:
   /dev, a size-capped tmpfs /tmp (the working directory and HOME) and a small /dev/shm. The project,
   data, checkpoints, tool cache, /home, /root, /etc and the host's /tmp are simply not there.
 - privileges: no_new_privs and no capabilities (bwrap does both); the code runs as the trainer's own
-  user, or as `user` (default nobody) when the trainer is root, so it is never host root.
-- processes: bwrap's init is PID 1 of the run. When the program exits, or when the bwrap monitor is
-  killed (timeout, output cap, a limit), PID 1 dies and the kernel kills every process of the
-  namespace, however it detached. The next run cannot meet any of them.
+  user, or as `user` (default nobody) when the trainer is root, so it is never host root. A seccomp
+  filter (seccomp.py, `--seccomp`) denies ptrace, other processes' memory, the kernel keyrings the run
+  inherits (and /proc/keys is hidden), perf, userfaultfd, bpf and SysV shared memory.
+- processes: bwrap's init is PID 1 of the run. When the program exits, or when the tool kills the init
+  (timeout, output cap, a limit; python_sandbox.py), PID 1 dies and the kernel kills every process of
+  the namespace, however it detached. The next run cannot meet any of them.
 - limits set inside the sandbox by util-linux `prlimit` right before the interpreter starts (see
   run_limits.py for the run-wide view): RLIMIT_NPROC counts the tasks of the run's own user namespace,
-  so it bounds the run as a whole and does not touch other runs; RLIMIT_AS, RLIMIT_CPU and
-  RLIMIT_FSIZE are per process; no core dumps.
+  so it bounds the run as a whole and does not touch other runs; RLIMIT_AS, RLIMIT_CPU,
+  RLIMIT_FSIZE and RLIMIT_NOFILE are per process; no core dumps.
 
 Unprivileged operation: bwrap is not setuid here; it needs unprivileged user namespaces, for a non-root
 trainer and for a root trainer alike (root hands the sandbox to `user` first). When a root trainer's

@@ -3,8 +3,10 @@ unconfined, §6.1, Q9).
 
 Every call starts a fresh sandbox (containment.py): its own user, PID, mount, IPC, network, UTS and
 cgroup namespaces, a read-only view of the interpreter only, a size-capped private scratch /tmp, no
-capabilities, no_new_privs, never host root. When the program ends, or is stopped, the run's PID
-namespace dies with every process in it. Limits hold for the run as a whole where the kernel allows
+capabilities, no_new_privs, a seccomp filter (seccomp.py), never host root. When the program ends, or
+is stopped, the tool kills the run's init (PID 1 of its namespace) through a pidfd on the pid bwrap
+reports, and waits until it is gone: the kernel kills every process of the namespace first, even if
+the run tampered with the init. What is left in the run's cgroup is killed before it is removed. Limits hold for the run as a whole where the kernel allows
 (run_limits.py has the table): processes through RLIMIT_NPROC in the run's own user namespace, memory
 through a cgroup when one can be had, disk through the tmpfs size, CPU time and memory through a meter
 that samples the run's processes; rlimits bound every single process as a backstop.
@@ -15,6 +17,8 @@ the code as a plain process with the same rlimits instead, and warns at every st
 
 Other behaviour:
 - an environment built from scratch (no inherited API keys), one BLAS/OpenMP thread;
+- code the interpreter cannot take (a NUL byte, a lone surrogate, over 100 KB) is a tool error without
+  a run; code nested too deeply to parse is left to the sandboxed interpreter to report;
 - a wall-clock timeout; stdout/stderr read incrementally with a byte cap; past the cap the run is
   stopped and marked truncated; the text shown to the model is cut to `max_output_chars`.
 - Pre-processing (as the reference, V15): if the last top-level statement is an expression other than

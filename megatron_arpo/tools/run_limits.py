@@ -5,9 +5,9 @@ What bounds a run (containment.py sets the rlimits):
 | resource  | run-wide, enforced by the kernel                     | run-wide, enforced by the meter | per process        |
 |-----------|------------------------------------------------------|---------------------------------|--------------------|
 | processes | RLIMIT_NPROC in the run's own user namespace; pids.max (cgroup v2) | -                  | -                  |
-| memory    | memory cgroup (v2 `memory.max`, or v1 `memory.limit_in_bytes` as root) | PSS of all its processes | RLIMIT_AS |
+| memory    | memory cgroup (v2 `memory.max`, or v1 `memory.limit_in_bytes` as root) | anonymous + shmem PSS of all its processes, their open memfds, scratch tmpfs usage and files | RLIMIT_AS |
 | CPU time  | -                                                    | user+system time of all its processes | RLIMIT_CPU   |
-| disk      | size of the scratch tmpfs (/tmp), plus 16 MiB /dev/shm | -                             | RLIMIT_FSIZE       |
+| disk      | size of the scratch tmpfs (/tmp), plus 16 MiB /dev/shm | files in them (`MAX_SCRATCH_FILES`) | RLIMIT_FSIZE, RLIMIT_NOFILE |
 
 The meter (`sample_usage`) walks the run's process tree through /proc every `METER_INTERVAL_S` and the
 tool stops the run once the total is over the limit; so without a cgroup, memory is bounded run-wide
@@ -22,8 +22,9 @@ Cgroups (`find_cgroup_parent`): a run gets its own child cgroup under
 - otherwise, as root on a cgroup v1 (hybrid) host, a child of the trainer's own v1 memory cgroup.
 The child is always nested under what the trainer is given, so every outer limit still applies. It
 is created before the run starts; bwrap's PID 1 is moved into it while bwrap waits on `--block-fd`, so
-nothing of the run ever executes outside it. It is removed after the run; leftovers of a killed
-trainer (named `arpo-sbx-<pid>-<n>`) are removed at the next start.
+nothing of the run ever executes outside it. After the run every task left in it is killed (v2
+`cgroup.kill`, v1 each pid of `cgroup.procs`) and it is removed; leftovers of a killed trainer (named
+`arpo-sbx-<pid>-<n>`) are removed at the next start.
 """
 
 from __future__ import annotations
