@@ -538,7 +538,7 @@ class PythonSandboxTool(Tool):
 
 def _kill_group(proc) -> None:
     # Only while the leader is unreaped: its pid (= the group id) cannot have been reused yet. For a
-    # sandbox run the leader is bwrap's monitor; its death takes the run's PID namespace with it.
+    # sandbox run the leader is bwrap's monitor; the run's init is killed through its pidfd.
     if proc.returncode is None:
         try:
             os.killpg(proc.pid, signal.SIGKILL)

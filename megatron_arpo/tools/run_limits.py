@@ -126,7 +126,11 @@ class SandboxInit:
 
     def __init__(self, pid: int, monitor_pid: int):
         self.pid = pid
-        self.fd = os.pidfd_open(pid)
+        try:
+            self.fd = os.pidfd_open(pid)
+        except OSError:  # exited and reaped already: the run is over
+            self.fd = -1
+            return
         try:
             with open(f"/proc/{pid}/stat") as handle:
                 ppid = int(handle.read().rsplit(")", 1)[1].split()[1])
