@@ -15,7 +15,7 @@ flatpak is built on; Debian package `bubblewrap`). What the run gets:
 - privileges: no_new_privs and no capabilities (bwrap does both); the code runs as the trainer's own
   user, or as `user` (default nobody) when the trainer is root, so it is never host root. A seccomp
   filter (seccomp.py, `--seccomp`) denies ptrace, other processes' memory, the kernel keyrings the run
-  inherits (and /proc/keys is hidden), perf, userfaultfd, bpf and SysV shared memory.
+  inherits (and /proc/keys is unreadable), perf, userfaultfd, bpf and SysV shared memory.
 - processes: bwrap's init is PID 1 of the run. When the program exits, or when the tool kills the init
   (timeout, output cap, a limit; python_sandbox.py), PID 1 dies and the kernel kills every process of
   the namespace, however it detached. The next run cannot meet any of them.
@@ -320,8 +320,7 @@ class BwrapCommand:
         # the scratch tmpfs instead of being hidden by it.
         # /proc/keys lists the descriptions of keys of the same user (the payloads are behind keyctl,
         # which the seccomp filter denies).
-        mounts = ["--proc", "/proc", "--ro-bind", "/dev/null", "/proc/keys", "--ro-bind", "/dev/null", "/proc/key-users",
-                  "--dev", "/dev",
+        mounts = ["--proc", "/proc", "--ro-bind", "/dev/null", "/proc/keys", "--dev", "/dev",
                   "--size", str(limits.disk_bytes), "--tmpfs", "/tmp",
                   "--size", str(SHM_BYTES), "--tmpfs", "/dev/shm"]
         for target, link in links:
