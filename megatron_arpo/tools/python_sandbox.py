@@ -6,10 +6,11 @@ cgroup namespaces, a read-only view of the interpreter only, a size-capped priva
 capabilities, no_new_privs, a seccomp filter (seccomp.py), never host root. When the program ends, or
 is stopped, the tool kills the run's init (PID 1 of its namespace) through a pidfd on the pid bwrap
 reports, and waits until it is gone: the kernel kills every process of the namespace first, even if
-the run tampered with the init. What is left in the run's cgroup is killed before it is removed. Limits hold for the run as a whole where the kernel allows
-(run_limits.py has the table): processes through RLIMIT_NPROC in the run's own user namespace, memory
-through a cgroup when one can be had, disk through the tmpfs size, CPU time and memory through a meter
-that samples the run's processes; rlimits bound every single process as a backstop.
+the run tampered with the init. What is left in the run's cgroup is killed before it is removed.
+Limits hold for the run as a whole where the kernel allows (run_limits.py has the table): processes
+through RLIMIT_NPROC in the run's own user namespace, memory through a cgroup when one can be had, disk
+through the tmpfs size, CPU time and memory through a meter that samples the run's processes; rlimits
+bound every single process as a backstop.
 
 `sandbox: required` (the default) refuses to build the tool when bubblewrap cannot run, naming the
 cause (missing package, or the sysctl that disables unprivileged user namespaces). `best_effort` runs
