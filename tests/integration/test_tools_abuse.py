@@ -378,6 +378,14 @@ def test_shared_memory_and_files_count_without_a_cgroup(trainer):
     assert processes_with(*(t for _, t in attacks)) == []
 
 
+def test_pathological_code_is_a_tool_error_without_a_traceback(trainer):
+    codes = ["print(1)\x00", "x = '\ud800'\nx", "-" * 90_000 + "1", "a = [0]\na" + "[0]" * 30_000, "(" * 5000 + ")" * 5000]
+    results = trainer.call(codes)
+    assert [r["error"] for r in results] == ["invalid code", "invalid code"] + ["exit status 1"] * 3, results
+    assert "NUL byte" in results[0]["text"] and "lone surrogate" in results[1]["text"]
+    assert "Traceback" not in trainer.stderr and "raised on query" not in trainer.stderr, trainer.stderr[-2000:]
+
+
 # ------------------------------------------------------------------------------------ limits per run
 MEMORY = """
 import os, time
