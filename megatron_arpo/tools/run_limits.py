@@ -299,13 +299,13 @@ class RunCgroup:
         return 0
 
     def kill(self) -> None:
-        """SIGKILL every task of the cgroup: v2 `cgroup.kill`, v1 each pid of `cgroup.procs`."""
+        """SIGKILL every task of the cgroup: v2 `cgroup.kill` (Linux 5.14+), else each pid of `cgroup.procs`."""
         if self.version == 2 and os.path.exists(os.path.join(self.path, "cgroup.kill")):
             try:
                 _write(os.path.join(self.path, "cgroup.kill"), "1")
+                return
             except OSError:
                 pass
-            return
         for pid in self.pids():
             try:
                 fd = os.pidfd_open(pid)
