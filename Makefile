@@ -101,19 +101,21 @@ slurm-packages:
 		echo "Slurm is not installed and this user cannot install it; Slurm tests will be skipped"; \
 	fi
 
-# bubblewrap: every python-tool run is a bwrap sandbox (tools.python.sandbox: required). Installed only
-# as root; otherwise an admin must install it (see the README, "Sandbox").
+# bubblewrap: every python-tool run is a bwrap sandbox (tools.python.sandbox: required), with a seccomp
+# filter compiled by libseccomp. Installed only as root; otherwise an admin must install them (see the
+# README, "Sandbox").
 sandbox-packages:
-	@if command -v bwrap >/dev/null && command -v prlimit >/dev/null; then \
+	@if command -v bwrap >/dev/null && command -v prlimit >/dev/null && \
+			/sbin/ldconfig -p 2>/dev/null | grep -q 'libseccomp\.so\.2'; then \
 		true; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-		echo "installing Debian package bubblewrap (the python tool's sandbox)"; \
+		echo "installing Debian packages bubblewrap and libseccomp2 (the python tool's sandbox)"; \
 		DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-			bubblewrap util-linux >/dev/null; \
+			bubblewrap libseccomp2 util-linux >/dev/null; \
 	else \
-		echo "bubblewrap (bwrap) is not installed and this user cannot install it: ask an admin for the"; \
-		echo "package bubblewrap, or set tools.python.sandbox: best_effort (no isolation of model code)"; \
+		echo "bubblewrap (bwrap) or libseccomp is not installed and this user cannot install them: ask an admin for"; \
+		echo "the packages bubblewrap and libseccomp2, or set tools.python.sandbox: best_effort (no isolation of model code)"; \
 	fi
 
 demo: $(STAMP) sandbox-packages

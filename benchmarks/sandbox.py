@@ -6,8 +6,10 @@ interleaved with the current tool, so both see the same machine load. Measured:
 1. latency of one call of a trivial snippet (`1+1`), sequential, median and p90 over `--calls`;
 2. executions per second with 8 calls in flight at once, `--rounds` rounds of `--calls` calls.
 The current tool is measured with its default cgroup setting (`auto`) and with `cgroup: off`.
+`--tools-ref REF` adds the bubblewrap tool as it was at REF (its `megatron_arpo/tools` modules loaded
+from git under another package name), interleaved with the others; ratios to it are printed too.
 
-    python benchmarks/sandbox.py [--calls 40] [--rounds 3] [--baseline-ref REF]
+    python benchmarks/sandbox.py [--calls 40] [--rounds 3] [--baseline-ref REF] [--tools-ref REF]
 """
 
 from __future__ import annotations
@@ -50,6 +52,22 @@ def load_baseline(ref: str, directory: str):
     return module
 
 
+def load_tools_at(ref: str, directory: str):
+    """`PythonSandboxTool` of `megatron_arpo/tools` at `ref`, as package `tools_at_ref` (other imports are
+    taken from this checkout)."""
+    package = Path(directory, "tools_at_ref")
+    package.mkdir()
+    names = subprocess.run(["git", "ls-tree", "--name-only", ref, "megatron_arpo/tools/"], cwd=REPO,
+                           capture_output=True, text=True, check=True).stdout.split()
+    for path in names:
+        if path.endswith(".py"):
+            text = subprocess.run(["git", "show", f"{ref}:{path}"], cwd=REPO, capture_output=True, text=True,
+                                  check=True).stdout
+            Path(package, Path(path).name).write_text(text.replace("megatron_arpo.tools.", "tools_at_ref."))
+    sys.path.insert(0, directory)
+    return importlib.import_module("tools_at_ref.python_sandbox")
+
+
 async def one_call(tool) -> float:
     start = time.perf_counter()
     result = await tool.execute("1+1")
@@ -83,6 +101,7 @@ def main() -> int:
     parser.add_argument("--calls", type=int, default=40)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--baseline-ref", default=None)
+    parser.add_argument("--tools-ref", default=None, help="also measure the bubblewrap tool as it was at this commit")
     args = parser.parse_args()
 
     from megatron_arpo.tools.python_sandbox import PythonSandboxTool
@@ -95,6 +114,10 @@ def main() -> int:
             "bubblewrap": PythonSandboxTool(timeout_s=10),
             "bubblewrap, cgroup off": PythonSandboxTool(timeout_s=10, cgroup="off"),
         }
+        if args.tools_ref:
+            at_ref = load_tools_at(args.tools_ref, directory)
+            tools[f"bubblewrap at {args.tools_ref}"] = at_ref.PythonSandboxTool(timeout_s=10)
+            tools[f"bubblewrap at {args.tools_ref}, cgroup off"] = at_ref.PythonSandboxTool(timeout_s=10, cgroup="off")
         print(f"baseline: {ref} ({subprocess.run(['git', 'rev-parse', '--short', ref], cwd=REPO, capture_output=True, text=True).stdout.strip()})")
         print(f"sandbox: {tools['bubblewrap'].isolation['description']}; memory: {tools['bubblewrap'].isolation['memory']}")
         print(f"load average before: {os.getloadavg()[0]:.1f}")
@@ -121,6 +144,11 @@ def main() -> int:
         rate = statistics.median(rates[name])
         print(f"| {name} | {median * 1e3:.1f} | {p90 * 1e3:.1f} | {median / base_median:.2f} | {rate:.1f} | "
               f"{rate / base_rate:.2f} |")
+    if args.tools_ref:
+        for suffix in ("", ", cgroup off"):
+            then, now = f"bubblewrap at {args.tools_ref}{suffix}", f"bubblewrap{suffix}"
+            print(f"{now} / {then}: latency {statistics.median(lat[now]) / statistics.median(lat[then]):.2f}, "
+                  f"executions/s {statistics.median(rates[now]) / statistics.median(rates[then]):.2f}")
     ratio = statistics.median(lat["bubblewrap"]) / base_median
     print(f"\nbubblewrap / previous launcher latency: {ratio:.2f} (target <= 2: {'met' if ratio <= 2 else 'NOT met'})")
     return 0

@@ -25,7 +25,7 @@ import yaml
 
 from megatron_arpo import __version__
 from megatron_arpo.command_args import PROG, add_config_arguments, config_from_args
-from megatron_arpo.config import ConfigError
+from megatron_arpo.config import ConfigError, config_warnings
 from megatron_arpo.errors import InputError, as_symlink_loop
 from megatron_arpo.device.quiet import quiet_cpu_warnings
 
@@ -86,6 +86,8 @@ def config_main(argv: Sequence[str]) -> int:
         preflight(cfg, args.paths)
     else:
         check_tools(cfg, with_files=False)
+    for warning in config_warnings(cfg):
+        print(f"warning: {warning}", file=sys.stderr)
     print(f"{args.config}: OK" + (f" (paths and data checked for {args.paths})" if args.paths else ""))
     return 0
 

@@ -485,6 +485,21 @@ def _resolve_defaults(cfg: ExperimentConfig) -> ExperimentConfig:
 _ENV_NAME_RE = re.compile(r"^[A-Z_][A-Z0-9_]*$")
 
 
+def config_warnings(cfg: ExperimentConfig) -> list[str]:
+    """Settings that are valid but weaken a safety guarantee; `config validate` prints each one."""
+    python = cfg.tools.python
+    if not python.enabled:
+        return []
+    found = []
+    if not python.isolate_network:
+        found.append("tools.python.isolate_network: false shares the host's network with model-written code "
+                     "(it can reach every service this machine can); set it to true unless the code needs it")
+    if python.sandbox == "best_effort":
+        found.append("tools.python.sandbox: best_effort runs model-written code WITHOUT isolation wherever the "
+                     "sandbox cannot start; set it to required (the default) to refuse such a machine instead")
+    return found
+
+
 def validate(cfg: ExperimentConfig) -> list[str]:
     """Cross-section checks on a resolved config; returns the list of problems (empty = valid)."""
     errors: list[str] = []
@@ -573,6 +588,12 @@ def validate(cfg: ExperimentConfig) -> list[str]:
                           "or set tools.search.enabled: false")
         if s.backend == "http" and not s.url:
             errors.append("tools.search.url: required when tools.search.backend is 'http'")
+    if tools.cache is not None and tools.cache.path:
+        real = os.path.realpath(os.path.abspath(tools.cache.path))
+        for top in ("/proc", "/sys", "/dev"):
+            if real == top or real.startswith(top + "/"):
+                errors.append(f"tools.cache.path: {tools.cache.path!r} is under {top}, a kernel pseudo-filesystem; "
+                              "set it to a file on disk, or null for the default under the run directory")
     if tools.python.enabled and tools.python.timeout_s > tools.timeout_s:
         errors.append(f"tools.python.timeout_s: {tools.python.timeout_s} exceeds tools.timeout_s {tools.timeout_s}, "
                       f"which would cut every long run short; keep it below")

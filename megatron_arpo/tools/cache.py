@@ -23,6 +23,13 @@ the same query) share one execution: the first caller starts it as a task, later
 task and count as hits. The task is shielded, so a cancelled first caller does not cancel the others.
 The in-flight table belongs to the event loop that created the entries; use one loop per process.
 
+Where the file may live (`prepare_cache_path`): not under /proc, /sys or /dev; its directory is created
+with mode 0700 when missing, and an existing directory or file must belong to this user, be no
+symlink, and not be writable by group or others; a directory on the way that every user may write
+must have the sticky bit (/tmp). Anything else is refused with the fix: another user could otherwise
+hand the trainer a poisoned cache, or a link to a database elsewhere. On a network filesystem the
+cache uses SQLite's rollback journal instead of WAL (WAL needs shared memory the filesystem lacks).
+
 `export(path)` writes a consistent snapshot (SQLite backup API) atomically: temporary file in the
 target directory, fsync, rename. `import_(path)` merges such a snapshot into the live cache in one
 transaction. Checkpoints call these.
@@ -34,6 +41,7 @@ import asyncio
 import logging
 import os
 import sqlite3
+import stat
 import threading
 import time
 from typing import Awaitable, Callable
@@ -55,13 +63,118 @@ CREATE TABLE IF NOT EXISTS tool_cache (
 """
 
 
+_PSEUDO_FILESYSTEMS = ("/proc", "/sys", "/dev")
+_NETWORK_FILESYSTEMS = ("nfs", "nfs4", "cifs", "smb3", "lustre", "gpfs", "ceph", "fuse.glusterfs", "beegfs",
+                        "9p", "afs", "fuse.sshfs")
+
+
+def _inside(path: str, parent: str) -> bool:
+    return path == parent or path.startswith(parent.rstrip("/") + "/")
+
+
+def _refuse(path: str, problem: str) -> ValueError:
+    return ValueError(f"tool cache {path}: {problem}; remove it, or set tools.cache.path to a file in a "
+                      "directory of your own (mode 0700)")
+
+
+def _check_owned(path: str, st: os.stat_result, what: str) -> None:
+    if stat.S_ISLNK(st.st_mode):
+        raise _refuse(path, f"the {what} is a symbolic link (to {os.readlink(path)})")
+    if st.st_uid != os.geteuid():
+        raise _refuse(path, f"the {what} belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()})")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise _refuse(path, f"the {what} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})")
+
+
+def _make_private_dir(directory: str) -> None:
+    """Create `directory` and its missing parents (mode 0700); an existing one must pass `_check_owned`."""
+    missing = []
+    probe = directory
+    while not os.path.lexists(probe):
+        missing.append(probe)
+        probe = os.path.dirname(probe)
+    for path in reversed(missing):
+        try:
+            os.mkdir(path, 0o700)  # fails on anything already there: no race into someone else's directory
+        except FileExistsError:
+            pass  # made meanwhile (another worker of ours); checked below
+    fd = -1
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError as exc:
+        st = os.lstat(directory) if os.path.lexists(directory) else None
+        if st is not None and stat.S_ISLNK(st.st_mode):
+            raise _refuse(directory, f"the directory is a symbolic link (to {os.readlink(directory)})") from exc
+        raise _refuse(directory, f"the directory cannot be opened ({exc.strerror})") from exc
+    try:
+        st = os.fstat(fd)
+    finally:
+        os.close(fd)
+    _check_owned(directory, st, "directory")
+    # Above it, a directory every user may write lets them rename entries unless it is sticky (/tmp).
+    for ancestor in _ancestors(os.path.dirname(directory)):
+        st = os.stat(ancestor)
+        if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+            raise _refuse(directory, f"{ancestor} is writable by every user and not sticky")
+
+
+def _ancestors(path: str) -> list[str]:
+    out = []
+    while True:
+        out.append(path)
+        if path == os.path.dirname(path):
+            return out
+        path = os.path.dirname(path)
+
+
+def prepare_cache_path(path: str) -> str:
+    """Check and prepare where the cache file lives (see the module docstring); returns its absolute path."""
+    path = os.path.abspath(os.fspath(path))
+    for top in _PSEUDO_FILESYSTEMS:
+        if _inside(path, top) or _inside(os.path.realpath(path), top):
+            raise ValueError(f"tools.cache.path {path} is under {top}, a kernel pseudo-filesystem; set it to a "
+                             "file on disk, or null for the default under the run directory")
+    _make_private_dir(os.path.dirname(path))
+    for name in (path, path + "-wal", path + "-shm", path + "-journal"):
+        try:
+            st = os.lstat(name)
+        except FileNotFoundError:
+            continue
+        if not stat.S_ISLNK(st.st_mode) and not stat.S_ISREG(st.st_mode):
+            raise _refuse(name, "it is not a regular file")
+        _check_owned(name, st, "file")
+    if not os.path.lexists(path):
+        try:
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
+        except FileExistsError:
+            _check_owned(path, os.lstat(path), "file")
+    return path
+
+
+def filesystem_type(path: str) -> str:
+    """The type of the filesystem holding `path` (its longest mount point in /proc/self/mountinfo)."""
+    real, best, kind = os.path.realpath(path), "", ""
+    try:
+        with open("/proc/self/mountinfo") as handle:
+            for line in handle:
+                head, _, tail = line.partition(" - ")
+                point = head.split()[4].replace("\\040", " ")
+                if _inside(real, point) and len(point) >= len(best):
+                    best, kind = point, tail.split()[0]
+    except (OSError, IndexError):
+        return ""
+    return kind
+
+
 class ToolCache:
     """SQLite-backed cache of final tool results. See the module docstring."""
 
     def __init__(self, path: str, *, busy_timeout_s: float = 30.0):
-        self.path = os.fspath(path)
-        parent = os.path.dirname(os.path.abspath(self.path))
-        os.makedirs(parent, exist_ok=True)
+        self.path = prepare_cache_path(path)
+        fstype = filesystem_type(self.path)
+        self.journal_mode = "DELETE" if fstype in _NETWORK_FILESYSTEMS else "WAL"
+        if self.journal_mode != "WAL":
+            logger.info("tool cache %s is on %s: using a rollback journal instead of WAL", self.path, fstype)
         self.busy_timeout_s = busy_timeout_s
         self._lock = threading.Lock()
         try:
@@ -116,9 +229,10 @@ class ToolCache:
         )
         try:
             conn.execute(f"PRAGMA busy_timeout={int(self.busy_timeout_s * 1000)}")
-            mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
-            if str(mode).lower() != "wal":
-                logger.warning("tool cache %s: journal_mode is %s, not WAL; concurrent writers may block", path, mode)
+            mode = conn.execute(f"PRAGMA journal_mode={self.journal_mode}").fetchone()[0]
+            if str(mode).lower() != self.journal_mode.lower():
+                logger.warning("tool cache %s: journal_mode is %s, not %s; concurrent writers may block", path, mode,
+                               self.journal_mode)
             conn.execute("PRAGMA synchronous=NORMAL")
         except BaseException:
             conn.close()

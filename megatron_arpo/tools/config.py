@@ -13,6 +13,8 @@ from typing import Literal, Optional
 
 from megatron_arpo.config_field import setting
 
+MAX_CAPTURE_BYTES = 64 << 20  # held in the trainer's memory per concurrent call
+
 
 @dataclass(frozen=True)
 class PythonToolSection:
@@ -28,7 +30,7 @@ class PythonToolSection:
     disk_mb: int = setting(64, ge=1, help="size of the run's private scratch tmpfs (/tmp, also HOME)")
     nproc: int = setting(32, ge=1, help="processes/threads the whole run may add (RLIMIT_NPROC in its user namespace)")
     max_output_chars: int = setting(4000, ge=1, help="output shown to the model is truncated beyond this")
-    max_capture_bytes: int = setting(1048576, ge=1, help="output read before the run is stopped")
+    max_capture_bytes: int = setting(1048576, ge=1, le=MAX_CAPTURE_BYTES, help="output read before the run is stopped")
     user: str = setting("nobody", help="account the code runs as when the trainer runs as root")
     python_executable: Optional[str] = setting(None, help="null = the trainer's base interpreter (stdlib only); a venv "
                                           "made for the model's code exposes its packages read-only")
@@ -59,7 +61,7 @@ class SearchToolSection:
 
 @dataclass(frozen=True)
 class ToolCacheSection:
-    path: Optional[str] = setting(None, help="SQLite file; null = node-local (under $TMPDIR), snapshotted into each checkpoint")
+    path: Optional[str] = setting(None, help="SQLite file; null = <run_dir>/tool_cache/tool_cache.sqlite, snapshotted into each checkpoint")
     busy_timeout_s: float = setting(30.0, gt=0)
 
 

@@ -13,14 +13,16 @@ flatpak is built on; Debian package `bubblewrap`). What the run gets:
   /dev, a size-capped tmpfs /tmp (the working directory and HOME) and a small /dev/shm. The project,
   data, checkpoints, tool cache, /home, /root, /etc and the host's /tmp are simply not there.
 - privileges: no_new_privs and no capabilities (bwrap does both); the code runs as the trainer's own
-  user, or as `user` (default nobody) when the trainer is root, so it is never host root.
-- processes: bwrap's init is PID 1 of the run. When the program exits, or when the bwrap monitor is
-  killed (timeout, output cap, a limit), PID 1 dies and the kernel kills every process of the
-  namespace, however it detached. The next run cannot meet any of them.
+  user, or as `user` (default nobody) when the trainer is root, so it is never host root. A seccomp
+  filter (seccomp.py, `--seccomp`) denies ptrace, other processes' memory, the kernel keyrings the run
+  inherits (and /proc/keys is unreadable), perf, userfaultfd, bpf and SysV shared memory.
+- processes: bwrap's init is PID 1 of the run. When the program exits, or when the tool kills the init
+  (timeout, output cap, a limit; python_sandbox.py), PID 1 dies and the kernel kills every process of
+  the namespace, however it detached. The next run cannot meet any of them.
 - limits set inside the sandbox by util-linux `prlimit` right before the interpreter starts (see
   run_limits.py for the run-wide view): RLIMIT_NPROC counts the tasks of the run's own user namespace,
-  so it bounds the run as a whole and does not touch other runs; RLIMIT_AS, RLIMIT_CPU and
-  RLIMIT_FSIZE are per process; no core dumps.
+  so it bounds the run as a whole and does not touch other runs; RLIMIT_AS, RLIMIT_CPU,
+  RLIMIT_FSIZE and RLIMIT_NOFILE are per process; no core dumps.
 
 Unprivileged operation: bwrap is not setuid here; it needs unprivileged user namespaces, for a non-root
 trainer and for a root trainer alike (root hands the sandbox to `user` first). When a root trainer's
@@ -47,6 +49,8 @@ import sys
 from dataclasses import dataclass
 from typing import Optional
 
+from megatron_arpo.tools.seccomp import SeccompUnavailable, build_filter, filter_pipe
+
 logger = logging.getLogger(__name__)
 
 _VIEW_HELPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sandbox_view.py")
@@ -59,6 +63,8 @@ _NETWORK_FILES = ("/etc/resolv.conf", "/etc/hosts", "/etc/nsswitch.conf", "/etc/
                   "/usr/share/ca-certificates")
 # Tasks of a run that are not the code's own: bwrap's init (PID 1) and the interpreter itself.
 BASE_TASKS = 2
+# Open files of each process of a run (RLIMIT_NOFILE): what it may hold open, memfds included.
+NOFILE = 1024
 
 _SYSCTL_HINTS = (
     ("/proc/sys/kernel/unprivileged_userns_clone", "0",
@@ -255,7 +261,7 @@ class Limits:
 
     def prlimit_args(self, nproc: int) -> list[str]:
         return [f"--cpu={self.cpu_s}:{self.cpu_s + 1}", f"--as={self.memory_bytes}",
-                f"--fsize={self.file_size_bytes}", f"--nproc={nproc}", "--core=0"]
+                f"--fsize={self.file_size_bytes}", f"--nproc={nproc}", f"--nofile={NOFILE}", "--core=0"]
 
 
 def sandbox_environment(python: str, home: str) -> dict[str, str]:
@@ -294,6 +300,10 @@ class BwrapCommand:
         self.user = user
         self.limits = limits
         self.isolate_network = isolate_network
+        try:
+            self.seccomp: Optional[bytes] = build_filter()
+        except SeccompUnavailable as exc:
+            raise SandboxUnavailable(f"the seccomp filter cannot be built: {exc}") from exc
         binds, links = interpreter_files(python)
         binds.append(self.prlimit)
         self.view: Optional[MountView] = None
@@ -308,7 +318,9 @@ class BwrapCommand:
         self.binds = binds
         # The scratch mounts come first, so that an interpreter living under /tmp is bound on top of
         # the scratch tmpfs instead of being hidden by it.
-        mounts = ["--proc", "/proc", "--dev", "/dev",
+        # /proc/keys lists the descriptions of keys of the same user (the payloads are behind keyctl,
+        # which the seccomp filter denies).
+        mounts = ["--proc", "/proc", "--ro-bind", "/dev/null", "/proc/keys", "--dev", "/dev",
                   "--size", str(limits.disk_bytes), "--tmpfs", "/tmp",
                   "--size", str(SHM_BYTES), "--tmpfs", "/dev/shm"]
         for target, link in links:
@@ -323,10 +335,17 @@ class BwrapCommand:
         for key, value in sandbox_environment(python, "/tmp").items():
             self._env += ["--setenv", key, value]
 
-    def argv(self, code: str, *, status_fd: int, block_fd: Optional[int] = None) -> list[str]:
+    def seccomp_fd(self) -> Optional[int]:
+        """A fresh pipe holding the filter for one run (bwrap reads it whole), or None without one."""
+        return filter_pipe(self.seccomp) if self.seccomp is not None else None
+
+    def argv(self, code: str, *, status_fd: int, block_fd: Optional[int] = None,
+             seccomp_fd: Optional[int] = None) -> list[str]:
         head = self.view.argv_prefix(self.nsenter) if self.view is not None else []
         argv = [*head, self.bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
                 "--new-session", "--hostname", "sandbox", "--json-status-fd", str(status_fd)]
+        if seccomp_fd is not None:
+            argv += ["--seccomp", str(seccomp_fd)]
         if not self.isolate_network:
             argv.append("--share-net")
         if block_fd is not None:
@@ -346,16 +365,18 @@ class BwrapCommand:
     def probe(self) -> None:
         """Run `print(1)` in the sandbox once; raise SandboxUnavailable naming the cause if it fails."""
         read_fd, write_fd = os.pipe()
+        seccomp_fd = self.seccomp_fd()
         kwargs = self.spawn_kwargs()
-        kwargs["pass_fds"] = tuple(kwargs["pass_fds"]) + (write_fd,)
+        kwargs["pass_fds"] = tuple(kwargs["pass_fds"]) + (write_fd,) + ((seccomp_fd,) if seccomp_fd is not None else ())
         try:
-            done = subprocess.run(self.argv("print(1)", status_fd=write_fd), capture_output=True, text=True,
-                                  timeout=60, env=BWRAP_ENV, cwd="/", **kwargs)
+            done = subprocess.run(self.argv("print(1)", status_fd=write_fd, seccomp_fd=seccomp_fd),
+                                  capture_output=True, text=True, timeout=60, env=BWRAP_ENV, cwd="/", **kwargs)
         except (OSError, subprocess.SubprocessError) as exc:
             raise SandboxUnavailable(f"bubblewrap could not start: {exc}") from exc
         finally:
-            os.close(write_fd)
-            os.close(read_fd)
+            for fd in (write_fd, read_fd, seccomp_fd):
+                if fd is not None:
+                    os.close(fd)
         if done.returncode == 0 and done.stdout.strip() == "1":
             return
         reasons = userns_diagnosis()

@@ -3,11 +3,14 @@ unconfined, docs/design/arpo_reference.md §6.1, Q9).
 
 Every call starts a fresh sandbox (containment.py): its own user, PID, mount, IPC, network, UTS and
 cgroup namespaces, a read-only view of the interpreter only, a size-capped private scratch /tmp, no
-capabilities, no_new_privs, never host root. When the program ends, or is stopped, the run's PID
-namespace dies with every process in it. Limits hold for the run as a whole where the kernel allows
-(run_limits.py has the table): processes through RLIMIT_NPROC in the run's own user namespace, memory
-through a cgroup when one can be had, disk through the tmpfs size, CPU time and memory through a meter
-that samples the run's processes; rlimits bound every single process as a backstop.
+capabilities, no_new_privs, a seccomp filter (seccomp.py), never host root. When the program ends, or
+is stopped, the tool kills the run's init (PID 1 of its namespace) through a pidfd on the pid bwrap
+reports, and waits until it is gone: the kernel kills every process of the namespace first, even if
+the run tampered with the init. What is left in the run's cgroup is killed before it is removed.
+Limits hold for the run as a whole where the kernel allows (run_limits.py has the table): processes
+through RLIMIT_NPROC in the run's own user namespace, memory through a cgroup when one can be had, disk
+through the tmpfs size, CPU time and memory through a meter that samples the run's processes; rlimits
+bound every single process as a backstop.
 
 `sandbox: required` (the default) refuses to build the tool when bubblewrap cannot run, naming the
 cause (missing package, or the sysctl that disables unprivileged user namespaces). `best_effort` runs
@@ -15,6 +18,8 @@ the code as a plain process with the same rlimits instead, and warns at every st
 
 Other behaviour:
 - an environment built from scratch (no inherited API keys), one BLAS/OpenMP thread;
+- code the interpreter cannot take (a NUL byte, a lone surrogate, over 100 KB) is a tool error without
+  a run; code nested too deeply to parse is left to the sandboxed interpreter to report;
 - a wall-clock timeout; stdout/stderr read incrementally with a byte cap; past the cap the run is
   stopped and marked truncated; the text shown to the model is cut to `max_output_chars`.
 - Pre-processing (as the reference, V15): if the last top-level statement is an expression other than
@@ -45,10 +50,13 @@ import time
 from typing import Optional
 
 from megatron_arpo.tools.base import Tool, ToolResult
+from megatron_arpo.tools.config import MAX_CAPTURE_BYTES
 from megatron_arpo.tools.containment import (
     BASE_TASKS, BWRAP_ENV, BwrapCommand, Limits, RlimitsCommand, SandboxUnavailable, SandboxUser,
 )
-from megatron_arpo.tools.run_limits import METER_INTERVAL_S, RunCgroup, Usage, find_cgroup_parent, sample_usage
+from megatron_arpo.tools.run_limits import (
+    INODE_BYTES, MAX_SCRATCH_FILES, METER_INTERVAL_S, RunCgroup, SandboxInit, Usage, find_cgroup_parent, sample_usage,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -61,8 +69,8 @@ def add_auto_print(code: str) -> str:
     """Wrap the last top-level expression in print(...) unless it already is a bare print call."""
     try:
         tree = ast.parse(code)
-    except SyntaxError:
-        return code
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return code  # the interpreter in the sandbox reports it to the model
     if not tree.body or not isinstance(tree.body[-1], ast.Expr):
         return code
     expr = tree.body[-1].value
@@ -77,6 +85,22 @@ def add_auto_print(code: str) -> str:
     start = to_index(expr.lineno, expr.col_offset)
     end = to_index(expr.end_lineno, expr.end_col_offset)
     return code[:start] + "print(" + code[start:end] + ")" + code[end:]
+
+
+def check_code(code: str) -> Optional[ToolResult]:
+    """A tool error for code that cannot be handed to an interpreter at all (None when it can): a NUL
+    byte cannot be in an argv string, and a lone surrogate is no UTF-8 text."""
+    if "\x00" in code:
+        return ToolResult(text="Error: the code contains a NUL byte (\\x00); remove it.", error="invalid code")
+    try:
+        code.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return ToolResult(text=f"Error: the code is not valid Unicode text (lone surrogate {code[exc.start]!r} at "
+                               f"character {exc.start}); remove it.", error="invalid code")
+    if len(code) > _MAX_CODE_BYTES:
+        return ToolResult(text=f"Error: the code is longer than {_MAX_CODE_BYTES} bytes; split it into smaller "
+                               "cells.", error="code too long")
+    return None
 
 
 def _truncate_head(text: str, limit: int) -> str:
@@ -206,6 +230,9 @@ class PythonSandboxTool(Tool):
                 f"python sandbox: timeout_s={timeout_s}, memory_mb={memory_mb}, disk_mb={disk_mb}, nproc={nproc} "
                 f"and max_output_chars={max_output_chars} must all be positive"
             )
+        if not 1 <= self.max_capture_bytes <= MAX_CAPTURE_BYTES:
+            raise ValueError(f"python sandbox: max_capture_bytes={max_capture_bytes} is out of range; allowed: 1 to "
+                             f"{MAX_CAPTURE_BYTES} (the output of every call in flight is held in memory)")
         if sandbox not in SANDBOX_MODES:
             raise ValueError(f"tools.python.sandbox={sandbox!r}; allowed values are {list(SANDBOX_MODES)}")
         if cgroup not in CGROUP_MODES:
@@ -259,8 +286,11 @@ class PythonSandboxTool(Tool):
 
     async def execute(self, query: str) -> ToolResult:
         start = time.monotonic()
+        refused = check_code(query)
+        if refused is not None:
+            return refused
         code = add_auto_print(query) if self.auto_print else query
-        if len(code.encode("utf-8", errors="replace")) > _MAX_CODE_BYTES:
+        if len(code.encode("utf-8")) > _MAX_CODE_BYTES:
             return ToolResult(
                 text=f"Error: the code is longer than {_MAX_CODE_BYTES} bytes; split it into smaller cells.",
                 error="code too long",
@@ -275,43 +305,63 @@ class PythonSandboxTool(Tool):
 
     async def _run_bwrap(self, code: str) -> _Outcome:
         status_r, status_w = os.pipe()
-        block_r = block_w = -1
+        block_r = block_w = seccomp_fd = -1
         run_cgroup: Optional[RunCgroup] = None
+        init: Optional[SandboxInit] = None
         status = None
         try:
             if self.cgroup_parent is not None:
                 block_r, block_w = os.pipe()
                 run_cgroup = await asyncio.to_thread(self.cgroup_parent.create, self.memory_bytes,
                                                      self.nproc + BASE_TASKS)
-            argv = self.command.argv(code, status_fd=status_w, block_fd=block_r if run_cgroup else None)
+            seccomp = self.command.seccomp_fd()
+            seccomp_fd = -1 if seccomp is None else seccomp
+            argv = self.command.argv(code, status_fd=status_w, block_fd=block_r if run_cgroup else None,
+                                     seccomp_fd=seccomp)
             kwargs = self.command.spawn_kwargs()
-            pass_fds = (*kwargs.pop("pass_fds"), status_w, *((block_r,) if run_cgroup else ()))
+            pass_fds = (*kwargs.pop("pass_fds"), status_w, *((block_r,) if run_cgroup else ()),
+                        *((seccomp_fd,) if seccomp_fd >= 0 else ()))
             proc = await asyncio.create_subprocess_exec(
                 *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE, start_new_session=True, pass_fds=pass_fds, env=BWRAP_ENV,
                 cwd="/", **kwargs,
             )
-            os.close(status_w)
-            status_w = -1
-            if block_r >= 0:
-                os.close(block_r)
-                block_r = -1
+            for fd in (status_w, block_r, seccomp_fd):
+                if fd >= 0:
+                    os.close(fd)
+            status_w = block_r = seccomp_fd = -1
             status = _StatusPipe(status_r)
             status_r = -1
-            try:
+
+            def kill() -> None:
+                # The init by its pidfd (the run may have cleared the init's parent-death signal); the
+                # monitor reaps it and exits. Without a held init, the monitor (its death kills the init
+                # unless that was tampered with). Then whatever is left in the run's cgroup.
+                if init is not None and init.fd >= 0:
+                    init.kill()
+                else:
+                    _kill_group(proc)
                 if run_cgroup is not None:
-                    # bwrap's PID 1 waits on --block-fd: everything the run starts is inside the cgroup.
-                    child = await asyncio.wait_for(status.child_pid(), timeout=30)
-                    if child is not None:
+                    run_cgroup.kill()
+
+            try:
+                child = await asyncio.wait_for(status.child_pid(), timeout=30)
+                if child is not None:
+                    init = SandboxInit(child, proc.pid)
+                    if run_cgroup is not None:
+                        # bwrap's PID 1 waits on --block-fd: everything the run starts is inside the cgroup.
                         run_cgroup.add(child)
                         os.write(block_w, b"1")
-                outcome = await self._collect(proc)
+                outcome = await self._collect(proc, kill, init)
             except BaseException:
-                _kill_group(proc)
+                kill()
                 raise
             finally:
+                kill()  # the program has ended (or is being stopped): nothing of the run may outlive it
+                if init is not None and not await init.wait(timeout_s=10.0):
+                    logger.warning("python sandbox: the init of a run (pid %d) did not exit after SIGKILL", init.pid)
+                _kill_group(proc)
                 if proc.returncode is None:
-                    _kill_group(proc)
                     await _wait_exit(proc)
                 transport = getattr(proc, "_transport", None)  # no public close on Process
                 if transport is not None:
@@ -324,11 +374,13 @@ class PythonSandboxTool(Tool):
                 outcome.oom_kills = run_cgroup.oom_kills()
             return outcome
         finally:
-            for fd in (status_r, status_w, block_r, block_w):
+            for fd in (status_r, status_w, block_r, block_w, seccomp_fd):
                 if fd >= 0:
                     os.close(fd)
             if status is not None:
                 status.close()
+            if init is not None:
+                init.close()
             if run_cgroup is not None:
                 await asyncio.to_thread(run_cgroup.remove)
 
@@ -345,7 +397,7 @@ class PythonSandboxTool(Tool):
                 cwd=scratch, **self.user.spawn_kwargs(),
             )
             try:
-                return await self._collect(proc)
+                return await self._collect(proc, lambda: _kill_group(proc), None)
             finally:
                 _kill_group(proc)
                 if proc.returncode is None:
@@ -356,7 +408,7 @@ class PythonSandboxTool(Tool):
         finally:
             await _remove_scratch(scratch)
 
-    async def _collect(self, proc) -> _Outcome:
+    async def _collect(self, proc, kill, init: Optional[SandboxInit]) -> _Outcome:
         buffers = {"out": bytearray(), "err": bytearray()}
         state = {"total": 0, "capped": False}
         peak = Usage()
@@ -373,7 +425,7 @@ class PythonSandboxTool(Tool):
                 state["total"] += len(chunk)
                 if state["total"] > self.max_capture_bytes and not state["capped"]:
                     state["capped"] = True
-                    _kill_group(proc)  # keep draining so the writer sees EOF, not a full pipe
+                    kill()  # keep draining so the writer sees EOF, not a full pipe
 
         async def watch():
             nonlocal stopped
@@ -384,6 +436,9 @@ class PythonSandboxTool(Tool):
                 if proc.returncode is not None or time.monotonic() < next_sample:
                     continue
                 usage = sample_usage(proc.pid)
+                if init is not None:
+                    scratch_bytes, usage.files = init.scratch_usage()
+                    usage.memory_bytes += scratch_bytes + usage.files * INODE_BYTES
                 peak.cpu_s = max(peak.cpu_s, usage.cpu_s)
                 peak.memory_bytes = max(peak.memory_bytes, usage.memory_bytes)
                 peak.tasks = max(peak.tasks, usage.tasks)
@@ -391,8 +446,10 @@ class PythonSandboxTool(Tool):
                     stopped = "cpu"
                 elif usage.memory_bytes > self.memory_bytes:
                     stopped = "memory"
+                elif usage.files > MAX_SCRATCH_FILES:
+                    stopped = "files"
                 if stopped:
-                    _kill_group(proc)
+                    kill()
                     return
                 next_sample = time.monotonic() + METER_INTERVAL_S
 
@@ -402,7 +459,7 @@ class PythonSandboxTool(Tool):
                 await asyncio.wait_for(watch(), timeout=self.timeout_s)
             except asyncio.TimeoutError:
                 stopped = "timeout"
-                _kill_group(proc)
+                kill()
             await _wait_exit(proc)
             # In the sandbox the output pipes close with the PID namespace; in the fallback, processes
             # that left the session may hold them open.
@@ -427,6 +484,8 @@ class PythonSandboxTool(Tool):
                                  "and was stopped."),
             "memory": ("memory limit", f"Error: the run used more than {self.memory_bytes >> 20} MB of memory "
                                        "across its processes and was stopped."),
+            "files": ("file limit", f"Error: the run created more than {MAX_SCRATCH_FILES} files in its scratch "
+                                    "space and was stopped."),
         }
         if o.stopped in stops:
             error, message = stops[o.stopped]
@@ -480,7 +539,7 @@ class PythonSandboxTool(Tool):
 
 def _kill_group(proc) -> None:
     # Only while the leader is unreaped: its pid (= the group id) cannot have been reused yet. For a
-    # sandbox run the leader is bwrap's monitor; its death takes the run's PID namespace with it.
+    # sandbox run the leader is bwrap's monitor; the run's init is killed through its pidfd.
     if proc.returncode is None:
         try:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -5,9 +5,9 @@ What bounds a run (containment.py sets the rlimits):
 | resource  | run-wide, enforced by the kernel                     | run-wide, enforced by the meter | per process        |
 |-----------|------------------------------------------------------|---------------------------------|--------------------|
 | processes | RLIMIT_NPROC in the run's own user namespace; pids.max (cgroup v2) | -                  | -                  |
-| memory    | memory cgroup (v2 `memory.max`, or v1 `memory.limit_in_bytes` as root) | PSS of all its processes | RLIMIT_AS |
+| memory    | memory cgroup (v2 `memory.max`, or v1 `memory.limit_in_bytes` as root) | anonymous + shmem PSS of all its processes, their open memfds, scratch tmpfs usage and files | RLIMIT_AS |
 | CPU time  | -                                                    | user+system time of all its processes | RLIMIT_CPU   |
-| disk      | size of the scratch tmpfs (/tmp), plus 16 MiB /dev/shm | -                             | RLIMIT_FSIZE       |
+| disk      | size of the scratch tmpfs (/tmp), plus 16 MiB /dev/shm | files in them (`MAX_SCRATCH_FILES`) | RLIMIT_FSIZE, RLIMIT_NOFILE |
 
 The meter (`sample_usage`) walks the run's process tree through /proc every `METER_INTERVAL_S` and the
 tool stops the run once the total is over the limit; so without a cgroup, memory is bounded run-wide
@@ -22,16 +22,20 @@ Cgroups (`find_cgroup_parent`): a run gets its own child cgroup under
 - otherwise, as root on a cgroup v1 (hybrid) host, a child of the trainer's own v1 memory cgroup.
 The child is always nested under what the trainer is given, so every outer limit still applies. It
 is created before the run starts; bwrap's PID 1 is moved into it while bwrap waits on `--block-fd`, so
-nothing of the run ever executes outside it. It is removed after the run; leftovers of a killed
-trainer (named `arpo-sbx-<pid>-<n>`) are removed at the next start.
+nothing of the run ever executes outside it. After the run every task left in it is killed (v2
+`cgroup.kill`, v1 each pid of `cgroup.procs`) and it is removed; leftovers of a killed trainer (named
+`arpo-sbx-<pid>-<n>`) are removed at the next start.
 """
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import itertools
 import logging
 import os
+import select
+import signal
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -39,6 +43,10 @@ from typing import Optional
 logger = logging.getLogger(__name__)
 
 METER_INTERVAL_S = 0.1
+# Files (inodes) a run may have in its scratch tmpfs mounts at once: bwrap cannot pass `nr_inodes`, so
+# the meter counts them, and charges each to the run's memory at about what the kernel spends on it.
+MAX_SCRATCH_FILES = 65536
+INODE_BYTES = 1024
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 _PREFIX = "arpo-sbx-"
 _counter = itertools.count()
@@ -50,6 +58,7 @@ class Usage:
     cpu_s: float = 0.0
     memory_bytes: int = 0
     tasks: int = 0
+    files: int = 0  # inodes in the run's scratch tmpfs mounts
 
 
 def _children(pid: int) -> list[int]:
@@ -60,18 +69,40 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def _pss_anon(pid: int) -> int:
+def _pss(pid: int) -> int:
+    """Anonymous and shared (shmem: shared anonymous mmap, mapped memfd and tmpfs files) PSS. File-backed
+    PSS is left out: the only files a run can map are the read-only interpreter and libraries."""
+    total = 0
     with open(f"/proc/{pid}/smaps_rollup") as handle:
         for line in handle:
-            if line.startswith("Pss_Anon:"):
-                return int(line.split()[1]) * 1024
-    return 0
+            if line.startswith(("Pss_Anon:", "Pss_Shmem:")):
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+def _memfd_bytes(pid: int, seen: set[int]) -> int:
+    """Memory of the memfds `pid` holds open (counted once per file): unmapped ones are in no smaps."""
+    total = 0
+    directory = f"/proc/{pid}/fd"
+    for fd in os.listdir(directory):
+        try:
+            if not os.readlink(f"{directory}/{fd}").startswith("/memfd:"):
+                continue
+            st = os.stat(f"{directory}/{fd}")
+        except OSError:
+            continue
+        if st.st_ino not in seen:
+            seen.add(st.st_ino)
+            total += st.st_blocks * 512
+    return total
 
 
 def sample_usage(root_pid: int) -> Usage:
-    """CPU seconds (own + reaped children) and anonymous PSS of `root_pid` and all its descendants."""
+    """CPU seconds (own + reaped children), anonymous and shared PSS and open memfds of `root_pid` and
+    all its descendants."""
     usage = Usage()
     stack = [root_pid]
+    memfds: set[int] = set()
     while stack:
         pid = stack.pop()
         try:
@@ -80,11 +111,80 @@ def sample_usage(root_pid: int) -> Usage:
             # fields[0] is the state; utime, stime, cutime, cstime are fields 14-17 of stat(5)
             usage.cpu_s += sum(int(v) for v in fields[11:15]) / _CLK_TCK
             usage.tasks += int(fields[17])
-            usage.memory_bytes += _pss_anon(pid)
+            usage.memory_bytes += _pss(pid) + _memfd_bytes(pid, memfds)
             stack += _children(pid)
         except (OSError, ValueError, IndexError):
             continue  # exited meanwhile (or a zombie without smaps): its time moves to the parent
     return usage
+
+
+# ------------------------------------------------------------------------------------ the run's init
+class SandboxInit:
+    """bwrap's init (PID 1 of a run), held through a pidfd: killing it ends the run's PID namespace and
+    every process in it, and a pidfd never names a reused pid. `pid` is what `--json-status-fd` reports;
+    it is taken only while it is still the child of the bwrap monitor `monitor_pid`."""
+
+    def __init__(self, pid: int, monitor_pid: int):
+        self.pid = pid
+        try:
+            self.fd = os.pidfd_open(pid)
+        except OSError:  # exited and reaped already: the run is over
+            self.fd = -1
+            return
+        try:
+            with open(f"/proc/{pid}/stat") as handle:
+                ppid = int(handle.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            ppid = -1
+        if ppid != monitor_pid:  # gone already and its pid reused: nothing to hold
+            self.close()
+
+    def alive(self) -> bool:
+        return self.fd >= 0 and not select.select([self.fd], [], [], 0)[0]
+
+    def kill(self) -> None:
+        if self.fd >= 0:
+            try:
+                signal.pidfd_send_signal(self.fd, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    async def wait(self, timeout_s: float) -> bool:
+        """Until the init has exited, which the kernel signals only once its whole namespace is gone."""
+        if not self.alive():
+            return True
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        loop.add_reader(self.fd, lambda: done.done() or done.set_result(None))
+        try:
+            await asyncio.wait_for(done, timeout_s)
+            return True
+        except asyncio.TimeoutError:
+            return False
+        finally:
+            loop.remove_reader(self.fd)
+
+    def scratch_usage(self) -> tuple[int, int]:
+        """(bytes, inodes) used in the run's /tmp and /dev/shm; (0, 0) before bwrap has set them up."""
+        root = f"/proc/{self.pid}/root"
+        used = inodes = 0
+        try:
+            if os.stat(root).st_dev == os.stat("/").st_dev:
+                return 0, 0  # the sandbox's own root is not mounted yet
+            for mount in ("tmp", "dev/shm"):
+                st = os.statvfs(f"{root}/{mount}")
+                used += (st.f_blocks - st.f_bfree) * st.f_frsize
+                inodes += st.f_files - st.f_ffree
+        except OSError:
+            return 0, 0
+        if not self.alive():  # the pid may have been reused meanwhile: these numbers are not the run's
+            return 0, 0
+        return used, inodes
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 # ------------------------------------------------------------------------------------ cgroups
@@ -198,12 +298,41 @@ class RunCgroup:
             pass
         return 0
 
-    def remove(self) -> None:
+    def kill(self) -> None:
+        """SIGKILL every task of the cgroup: v2 `cgroup.kill` (Linux 5.14+), else each pid of `cgroup.procs`."""
         if self.version == 2 and os.path.exists(os.path.join(self.path, "cgroup.kill")):
             try:
                 _write(os.path.join(self.path, "cgroup.kill"), "1")
+                return
             except OSError:
                 pass
+        for pid in self.pids():
+            try:
+                fd = os.pidfd_open(pid)
+            except OSError:
+                continue
+            try:
+                if pid in self.pids():  # still this cgroup's, so the pidfd names the run's task
+                    signal.pidfd_send_signal(fd, signal.SIGKILL)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+
+    def pids(self) -> list[int]:
+        try:
+            return [int(p) for p in _read(os.path.join(self.path, "cgroup.procs")).split()]
+        except (OSError, ValueError):
+            return []
+
+    def remove(self) -> None:
+        """Kill what is left in the cgroup until it is empty, then remove it."""
+        deadline = time.monotonic() + 5.0
+        while True:
+            self.kill()
+            if not self.pids() or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
         _remove_dir(self.path)
 
 

@@ -16,12 +16,11 @@ model and optimizer, per-rank RNG, LR schedule; see ``megatron_arpo.actor.checkp
 The snapshot is written right after the actor's save has made ``step-N`` complete; a run killed in
 between resumes without it (a warning), which costs only cache hits.
 
-Where the live cache lives (``tool_cache_path``): ``tools.cache.path`` when set, else node-local disk,
-``$TMPDIR/megatron-arpo-<uid>/<name>-<hash of the run dir>/tool_cache.sqlite``. Not the run directory: that
-is on a shared filesystem, and SQLite's WAL mode needs shared memory (an mmap'd ``-shm`` file) and POSIX
-locks that network filesystems do not provide coherently, so a cache there can corrupt or stall. Only the
-trainer process uses the cache (the tools run in it), so node-local loses nothing while the job runs, and
-the snapshot in every checkpoint carries it to the node a requeued job lands on.
+Where the live cache lives (``tool_cache_path``): ``tools.cache.path`` when set, else
+``<run_dir>/tool_cache/tool_cache.sqlite``: a directory of the run's own, never a predictable name in a
+shared /tmp that another user could create first (``megatron_arpo.tools.cache.prepare_cache_path`` checks
+owner and mode). On a network filesystem the cache uses a rollback journal instead of WAL, whose shared
+memory such filesystems do not provide; only the trainer process uses the cache (the tools run in it).
 
 ``resolve_resume``: ``auto`` = the newest complete checkpoint under ``<run_dir>/checkpoints`` (or none:
 a fresh start); ``none`` = a fresh start, refused when that directory already holds checkpoints (their
@@ -31,10 +30,7 @@ step numbers would collide with the new run's); anything else is a path to a che
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
-import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
@@ -95,9 +91,7 @@ def tool_cache_path(cfg: Any) -> Optional[str]:
         return None
     if cache.path:
         return str(cache.path)
-    run_dir = str(Path(cfg.run_dir).resolve())
-    digest = hashlib.sha256(run_dir.encode()).hexdigest()[:12]
-    return str(Path(tempfile.gettempdir()) / f"megatron-arpo-{os.getuid()}" / f"{cfg.name}-{digest}" / TOOL_CACHE_SNAPSHOT)
+    return str(Path(cfg.run_dir).resolve() / "tool_cache" / TOOL_CACHE_SNAPSHOT)
 
 
 def driver_state(rt: Any) -> dict[str, Any]:

@@ -15,7 +15,9 @@ command line (`python -c CODE`) of the program and of every process it forks.
 
 import json
 import os
+import platform
 import pwd
+import re
 import shutil
 import socket
 import subprocess
@@ -92,9 +94,9 @@ class Trainer:
         return {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": self.home, "LANG": "C.UTF-8",
                 "WANDB_API_KEY": SECRET, "TMPDIR": os.path.join(self.home, "tmp")}
 
-    def call(self, codes, *, concurrent=False, executor_timeout_s=60.0, wrapper=(), **tool):
+    def call(self, codes, *, concurrent=False, executor_timeout_s=60.0, wrapper=(), harness=None, **tool):
         request = {"tool": {**TOOL, **tool}, "codes": list(codes), "concurrent": concurrent,
-                   "executor_timeout_s": executor_timeout_s}
+                   "executor_timeout_s": executor_timeout_s, **(harness or {})}
         done = subprocess.run([*self.argv_prefix, *wrapper, self.python, HARNESS], input=json.dumps(request),
                               capture_output=True, text=True, env=self.environment(), cwd=self.home, timeout=280)
         self.stderr = done.stderr
@@ -105,6 +107,8 @@ class Trainer:
         if "exception" in answer:
             return answer["exception"]
         self.isolation = answer["isolation"]
+        self.pid = answer.get("pid")
+        self.trainer_key_after = answer.get("trainer_key_after")
         return answer["results"]
 
 
@@ -255,6 +259,131 @@ def test_fork_bomb_is_contained(trainer):
     forked, errno = results[0]["text"].split()[1:]
     assert int(forked) <= 16 and errno == "11"  # EAGAIN: the run's own process budget
     assert processes_with(tag) == []
+
+
+# A run ptraces its own bwrap init (PID 1: same user, dumpable) and makes it call
+# prctl(PR_SET_PDEATHSIG, 0), so that the init no longer dies with the bwrap monitor; then it leaves a
+# detached child and outlives its timeout.
+DISARM_INIT = r"""
+import ctypes, os, signal, time
+libc = ctypes.CDLL(None, use_errno=True)
+libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+libc.ptrace.restype = ctypes.c_long
+class Regs(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_ulonglong) for n in ("r15 r14 r13 r12 rbp rbx r11 r10 r9 r8 rax rcx rdx rsi rdi "
+                                                  "orig_rax rip cs eflags rsp ss fs_base gs_base ds es fs gs").split()]
+def pt(request, addr=None, data=None):
+    if libc.ptrace(request, 1, addr, data) == -1:
+        raise OSError(ctypes.get_errno(), "ptrace")
+try:
+    pt(16)  # PTRACE_ATTACH
+    os.waitpid(1, 0x40000000)
+    saved, regs = Regs(), Regs()
+    pt(12, None, ctypes.addressof(saved))  # GETREGS: the init sits in wait4, just after a syscall instruction
+    ctypes.memmove(ctypes.addressof(regs), ctypes.addressof(saved), ctypes.sizeof(Regs))
+    regs.rip, regs.rax, regs.orig_rax, regs.rdi, regs.rsi = saved.rip - 2, 157, 2**64 - 1, 1, 0  # prctl
+    pt(13, None, ctypes.addressof(regs))
+    pt(9)  # SINGLESTEP over the syscall
+    os.waitpid(1, 0x40000000)
+    pt(12, None, ctypes.addressof(regs))
+    pt(13, None, ctypes.addressof(saved))
+    pt(17)  # DETACH
+    print("disarmed", ctypes.c_longlong(regs.rax).value, flush=True)
+except OSError as exc:
+    print("ptrace", exc.errno, flush=True)
+if os.fork() == 0:
+    os.setsid()
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    while True:
+        time.sleep(0.1)
+time.sleep(600)
+"""
+
+
+def run_cgroups(trainer):
+    """Names of the per-run cgroups the last harness made that still exist (none without a cgroup)."""
+    match = re.search(r"cgroup v\d under (\S+)", trainer.isolation.get("memory", ""))
+    if match is None:
+        return []
+    return [n for n in os.listdir(match.group(1)) if n.startswith(f"arpo-sbx-{trainer.pid}-")]
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the attack injects an x86-64 system call")
+@pytest.mark.parametrize("seccomp", [True, False], ids=["seccomp", "init-tampered"])
+def test_a_run_that_disarms_its_init_leaves_nothing_behind(trainer, seccomp):
+    attack, tag = tagged(DISARM_INIT)
+    result = trainer.call([attack], timeout_s=2, cpu_s=2, harness={"no_seccomp": not seccomp})[0]
+    assert result["error"] == "timeout", result
+    # with the filter the attack cannot start; without it, it succeeds and the run still ends
+    assert result["text"].startswith("ptrace 1" if seccomp else "disarmed 0"), result
+    assert processes_with(tag) == []  # after execute() returned, and after the trainer exited
+    assert run_cgroups(trainer) == []
+
+
+KEYRING = r"""
+import ctypes, platform
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+keyctl, add_key = {"x86_64": (250, 248), "aarch64": (219, 217)}[platform.machine()]
+def call(*args):
+    result = libc.syscall(*args)
+    return result if result >= 0 else -ctypes.get_errno()
+buffer = ctypes.create_string_buffer(256)
+found = call(keyctl, 10, -3, b"user", b"arpo-trainer-secret", 0)  # KEYCTL_SEARCH in the session keyring
+print("search", found, "read", call(keyctl, 11, __TRAINER_KEY__, buffer, 256), buffer.value.decode())
+print("revoke", call(keyctl, 3, __TRAINER_KEY__), "plant", call(add_key, b"user", b"arpo-planted", b"x", 1, -3))
+print("planted before", call(keyctl, 10, -3, b"user", b"arpo-planted", 0))
+try:
+    listed = "arpo" in open("/proc/keys").read()
+except OSError:
+    listed = False
+print("listed", listed, "ptrace", libc.ptrace(16, 1, None, None), ctypes.get_errno())
+"""
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "aarch64"), reason="key system call numbers")
+def test_keyrings_and_ptrace_are_out_of_reach(trainer):
+    results = trainer.call([KEYRING, KEYRING], harness={"trainer_key": SECRET})
+    for result in results:
+        lines = result["text"].splitlines()
+        # EPERM (1) for every key operation and for ptrace, nothing listed in /proc/keys
+        assert lines[:2] == ["search -1 read -1 ", "revoke -1 plant -1"], result
+        assert lines[2:] == ["planted before -1", "listed False ptrace -1 1"], result
+        assert SECRET not in result["text"]
+    assert trainer.trainer_key_after == SECRET  # neither read nor revoked
+
+
+SHARED_MEMORY = {
+    "memfd": "import os, time\nfds = [os.memfd_create(str(i)) for i in range(40)]\nfor fd in fds:\n"
+             "    os.write(fd, b'x' * (8 << 20))\nprint('held memfds')\ntime.sleep(3)",
+    # shared anonymous maps, written in small pieces: no anonymous memory to speak of
+    "shmem": "import mmap, os, time\npiece = b'x' * (1 << 20)\nfor i in range(5):\n    if os.fork() == 0:\n"
+             "        m = mmap.mmap(-1, 50 << 20, flags=mmap.MAP_SHARED)\n        for k in range(50):\n"
+             "            m.write(piece)\n        time.sleep(5)\n        os._exit(0)\ntime.sleep(5)\n"
+             "print('held shared maps')",
+    "inodes": "import time\nfor n in range(200000):\n    open(f'/tmp/f{n}', 'w').close()\n"
+              "print('held files')\ntime.sleep(3)",
+}
+
+
+def test_shared_memory_and_files_count_without_a_cgroup(trainer):
+    attacks = [tagged(code) for code in SHARED_MEMORY.values()]
+    results = trainer.call([c for c, _ in attacks] + ["import resource\nresource.getrlimit(resource.RLIMIT_NOFILE)"],
+                           cgroup="off", memory_mb=128, timeout_s=20, file_size_mb=16)
+    by_name = dict(zip(SHARED_MEMORY, results))
+    assert by_name["memfd"]["error"] == "memory limit", by_name["memfd"]
+    assert by_name["shmem"]["error"] == "memory limit", by_name["shmem"]
+    assert by_name["inodes"]["error"] in ("file limit", "memory limit"), by_name["inodes"]
+    assert results[-1]["text"] == "(1024, 1024)"  # RLIMIT_NOFILE, not the trainer's
+    assert processes_with(*(t for _, t in attacks)) == []
+
+
+def test_pathological_code_is_a_tool_error_without_a_traceback(trainer):
+    codes = ["print(1)\x00", "x = '\ud800'\nx", "-" * 90_000 + "1", "a = [0]\na" + "[0]" * 30_000, "(" * 5000 + ")" * 5000]
+    results = trainer.call(codes)
+    assert [r["error"] for r in results] == ["invalid code", "invalid code"] + ["exit status 1"] * 3, results
+    assert "NUL byte" in results[0]["text"] and "lone surrogate" in results[1]["text"]
+    assert "Traceback" not in trainer.stderr and "raised on query" not in trainer.stderr, trainer.stderr[-2000:]
 
 
 # ------------------------------------------------------------------------------------ limits per run

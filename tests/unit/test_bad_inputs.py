@@ -619,3 +619,97 @@ def test_a_bad_row_is_skipped_under_the_skip_policy(tmp_path, capsys):
 
     records, stats = load_prompts(tmp_path / "qa.jsonl", on_bad_row="skip")
     assert stats.skipped_bad == 1 and "qa.jsonl row 2: not UTF-8" in stats.errors[0] and len(records) == 1
+
+
+# -- the python tool and its cache (issue 29): bounds, pathological code, unsafe cache paths
+SANDBOX_CASES = [
+    Case("max_capture_bytes above its range", validate(_python(max_capture_bytes=10**12)),
+         ("tools.python.max_capture_bytes: 1000000000000 is out of range; allowed: >= 1 and <= 67108864",)),
+    Case("tool cache under /proc", validate(lambda d: _base(d, tools={"search": {"enabled": False},
+                                                                       "cache": {"path": "/proc/self/cache.sqlite"}})),
+         ("tools.cache.path: '/proc/self/cache.sqlite' is under /proc, a kernel pseudo-filesystem",)),
+]
+
+
+@pytest.mark.parametrize("case", SANDBOX_CASES, ids=[c.name for c in SANDBOX_CASES])
+def test_sandbox_bad_input_exits_2_naming_it(case, tmp_path, capsys, monkeypatch):
+    test_bad_input_exits_2_naming_it(case, tmp_path, capsys, monkeypatch)
+
+
+def test_validate_warns_for_an_unisolated_sandbox(tmp_path, capsys):
+    argv = validate(_python(isolate_network=False, sandbox="best_effort"))(tmp_path)
+    assert cli.main(argv) == 0
+    err = capsys.readouterr().err
+    assert "warning: tools.python.isolate_network: false shares the host's network" in err
+    assert "warning: tools.python.sandbox: best_effort runs model-written code WITHOUT isolation" in err
+    assert "Traceback" not in err
+    (tmp_path / "plain").mkdir()
+    assert cli.main(validate(_python())(tmp_path / "plain")) == 0
+    assert "warning" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("code, error", [
+    ("print(1)\x00", "the code contains a NUL byte"),
+    ("x = '\ud800'", "lone surrogate '\\ud800' at character 5"),
+    ("1" * 200_000, "longer than 100000 bytes"),
+])
+def test_code_that_no_interpreter_takes_is_a_tool_error(code, error):
+    from megatron_arpo.tools.python_sandbox import check_code
+
+    result = check_code(code)
+    assert result is not None and result.error and error in result.text
+
+
+@pytest.mark.parametrize("code", ["(" * 5000 + ")" * 5000, "-" * 90_000 + "1", "a" + "[0]" * 30_000, "x = " + "not " * 20_000 + "1"])
+def test_deeply_nested_code_leaves_auto_print_alone(code):
+    """The trainer's parse for the notebook-style print must not raise: the sandboxed interpreter reports it."""
+    from megatron_arpo.tools.python_sandbox import add_auto_print, check_code
+
+    assert check_code(code) is None and add_auto_print(code) == code
+
+
+def test_python_tool_refuses_an_unbounded_capture():
+    from megatron_arpo.tools.python_sandbox import PythonSandboxTool
+
+    with pytest.raises(ValueError, match="max_capture_bytes=1000000000000 is out of range"):
+        PythonSandboxTool(max_capture_bytes=10**12)
+
+
+def test_tool_cache_refuses_links_and_foreign_or_open_directories(tmp_path):
+    from megatron_arpo.tools.cache import ToolCache
+
+    elsewhere = tmp_path / "elsewhere.sqlite"
+    elsewhere.write_bytes(b"")
+    (tmp_path / "link").symlink_to(tmp_path / "real", target_is_directory=True)
+    (tmp_path / "real").mkdir(mode=0o700)
+    with pytest.raises(ValueError, match="the directory is a symbolic link"):
+        ToolCache(tmp_path / "link" / "cache.sqlite")
+    (tmp_path / "mine").mkdir(mode=0o700)
+    (tmp_path / "mine" / "cache.sqlite").symlink_to(elsewhere)
+    with pytest.raises(ValueError, match="the file is a symbolic link"):
+        ToolCache(tmp_path / "mine" / "cache.sqlite")
+    assert elsewhere.read_bytes() == b""  # SQLite never opened it
+    (tmp_path / "open").mkdir()
+    os.chmod(tmp_path / "open", 0o777)
+    with pytest.raises(ValueError, match="writable by group or others"):
+        ToolCache(tmp_path / "open" / "cache.sqlite")
+    os.chmod(tmp_path / "open", 0o755)
+    cache = ToolCache(tmp_path / "open" / "sub" / "cache.sqlite")  # made here: a private directory
+    cache.close()
+    assert oct(os.stat(tmp_path / "open" / "sub").st_mode & 0o777) == "0o700"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="handing a directory to another user needs root")
+def test_tool_cache_refuses_a_directory_another_user_made_first(tmp_path):
+    """The attack on the old default: another user pre-creates the cache's directory and plants a file."""
+    import pwd
+
+    from megatron_arpo.tools.cache import ToolCache
+
+    nobody = pwd.getpwnam("nobody")
+    planted = tmp_path / "shared" / "megatron-arpo-0"
+    planted.mkdir(parents=True, mode=0o700)
+    os.chown(planted, nobody.pw_uid, nobody.pw_gid)
+    with pytest.raises(ValueError, match=f"the directory belongs to uid {nobody.pw_uid}, not to this user"):
+        ToolCache(planted / "tool_cache.sqlite")
+    assert os.listdir(planted) == []

@@ -106,20 +106,18 @@ def test_driver_state_round_trip_restores_sampler_step_and_tool_cache(tmp_path):
     assert after.tools.cache.get("search", "q").text == "answer"
 
 
-def test_the_live_tool_cache_is_node_local_unless_a_path_is_set(tmp_path, monkeypatch):
-    """SQLite's WAL needs shared memory and locks a network filesystem does not give: by default the live
-    cache lives under $TMPDIR, one file per run dir, and the checkpoint snapshot carries it between nodes."""
+def test_the_live_tool_cache_is_under_the_run_dir_unless_a_path_is_set(tmp_path, monkeypatch):
+    """By default the live cache lives in a directory of the run's own, never under a predictable name in a
+    shared /tmp; the checkpoint snapshot carries it between nodes."""
     from megatron_arpo.config import load_config
 
-    (tmp_path / "node-local").mkdir()
     monkeypatch.setenv("TMPDIR", str(tmp_path / "node-local"))
-    monkeypatch.setattr("tempfile.tempdir", None)  # re-read TMPDIR
     demo = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
     a = load_config(demo, [f"trainer.run_dir={tmp_path / 'shared' / 'a'}"])
     b = load_config(demo, [f"trainer.run_dir={tmp_path / 'shared' / 'b'}"])
     path_a = Path(checkpointing.tool_cache_path(a))
-    assert path_a.is_relative_to(tmp_path / "node-local") and path_a.name == "tool_cache.sqlite"
-    assert path_a == Path(checkpointing.tool_cache_path(a))  # a restart on this node finds it again
+    assert path_a == tmp_path / "shared" / "a" / "tool_cache" / "tool_cache.sqlite"
+    assert path_a == Path(checkpointing.tool_cache_path(a))  # a restart finds it again
     assert path_a != Path(checkpointing.tool_cache_path(b))  # two runs never share one
     pinned = a.with_overrides([f"tools.cache.path={tmp_path / 'mine.sqlite'}"])
     assert checkpointing.tool_cache_path(pinned) == str(tmp_path / "mine.sqlite")
