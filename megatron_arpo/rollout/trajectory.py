@@ -52,7 +52,7 @@ class Segment:
     index: int                 # position among the owner's segments
     start: int                 # response offset of its first token
     num_tokens: int
-    entropy: float             # segment entropy of its first `window` tokens (estimator in the result meta)
+    entropy: Optional[float]   # segment entropy of its first `window` tokens; None: not measured (no decision read it)
     finish: str                # "tool:<tag>" | "eos" | "length"
     num_requests: int = 1      # engine requests it took (2 when an after-result probe was continued)
     num_prompt_tokens: int = 0     # context length of its first request

@@ -4,7 +4,7 @@ Used to check that a change in how the scheduler asks the engines (issue 30: top
 reads it) leaves the rollout of a seed as it was: ``rollout_record`` keeps per trajectory its lineage,
 tokens, sampled log-probs, loss mask, segments, tool calls and branch decisions; ``record_differences``
 lists what differs between a record made before the change and one made after. Entropies that no
-decision read may be absent (NaN) after; log-probs and entropies match within ``rel``.
+decision read may be absent (None) after; log-probs and entropies match within ``rel``.
 """
 
 from __future__ import annotations
@@ -60,8 +60,8 @@ def _close(a: Any, b: Any, rel: float) -> bool:
 
 
 def record_differences(before: dict[str, Any], after: dict[str, Any], rel: float = 1e-6) -> list[str]:
-    """What differs, one line each (empty: the same rollout). An entropy not measured after (NaN, or a None
-    baseline) and finite before is allowed on a segment or a baseline (nothing read it), never in a decision."""
+    """What differs, one line each (empty: the same rollout). An entropy not measured after (None) and
+    measured before is allowed on a segment or a baseline (nothing read it), never in a decision."""
     out = []
     if not _close(before["premonitor"], after["premonitor"], rel):
         out.append(f"premonitor: {before['premonitor']} != {after['premonitor']}")
@@ -77,11 +77,11 @@ def record_differences(before: dict[str, Any], after: dict[str, Any], rel: float
                     continue
                 for sb, sa in zip(tb[key], ta[key]):
                     sa = dict(sa)
-                    if isinstance(sa["entropy"], float) and math.isnan(sa["entropy"]):
+                    if sa["entropy"] is None:
                         sa["entropy"] = sb["entropy"]  # not measured after: no decision read it
                     if not _close(sb, sa, rel):
                         out.append(f"{tb['traj_id']}: segment {sb} != {sa}")
-            elif key == "baseline_entropy" and (ta[key] is None or isinstance(ta[key], float) and math.isnan(ta[key])):
+            elif key == "baseline_entropy" and ta[key] is None:
                 continue  # not measured after: no decision of the trajectory or its branches read it (h0 is compared)
             elif not _close(tb[key], ta[key], rel):
                 out.append(f"{tb['traj_id']}: {key} differs: {str(tb[key])[:200]} != {str(ta[key])[:200]}")
