@@ -555,6 +555,9 @@ class _Run:
             return
         out = await pr.engine.generate(pending.request)
         self.stats["entropy_requests"] += 1
+        self.stats["engine_requests"] += 1
+        self.stats["engine_prompt_tokens"] += out.num_prompt_tokens
+        self.stats["engine_cached_tokens"] += out.num_cached_tokens
         agree = 0
         for got, want in zip(out.token_ids, pending.expected):
             if got != want:

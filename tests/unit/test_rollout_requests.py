@@ -131,7 +131,8 @@ def test_top_k_only_where_a_decision_reads_it_changes_no_decision(options):
         seen.add(kind)
     branching = options.get("initial_rollouts") != 4
     assert (trimmed.stats["branches"] >= 1) == branching
-    assert trimmed.stats["entropy_requests"] == sum(k == "entropy" for k in seen) * trimmed.stats["entropy_requests"]
+    assert trimmed.stats["entropy_requests"] == sum(r.request_id.endswith("h") for r in engine.requests)
+    assert trimmed.stats["engine_requests"] == sum("premonitor" not in r.request_id for r in engine.requests)
     expected = {"segment"} | ({"entropy"} if branching else set())
     if options.get("branch_timing") == "after_result":
         expected |= {"probe", "continuation"}
