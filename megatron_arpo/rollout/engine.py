@@ -211,6 +211,18 @@ _REQUEST_COUNTER = itertools.count()
 _NO_LOGPROBS = SimpleNamespace(start_indices=[], end_indices=[], token_ids=[], logprobs=[])
 
 
+def _flatten(positions: Sequence[Optional[dict]]) -> SimpleNamespace:
+    """vLLM's per-position ``{token id: Logprob}`` dicts in the flat layout `VllmEngine._convert` reads."""
+    out = SimpleNamespace(start_indices=[], end_indices=[], token_ids=[], logprobs=[])
+    for entry in positions:
+        out.start_indices.append(len(out.token_ids))
+        for tok, lp in (entry or {}).items():
+            out.token_ids.append(int(tok))
+            out.logprobs.append(float(lp.logprob))
+        out.end_indices.append(len(out.token_ids))
+    return out
+
+
 def guard_llvmlite_for_vllm() -> None:
     """Make llvmlite's C-library wrapper answer dunder lookups honestly before vLLM starts an engine.
 
@@ -449,6 +461,8 @@ class VllmEngine:
         flat = comp.logprobs  # FlatLogprobs (``flat_logprobs=True``): one set of lists for all positions
         if flat is None:
             flat = _NO_LOGPROBS
+        elif not hasattr(flat, "start_indices"):  # a list of {id: Logprob} per position
+            flat = _flatten(flat)
         starts, ends, ids, values = flat.start_indices, flat.end_indices, flat.token_ids, flat.logprobs
         for i, tok in enumerate(token_ids):
             lo, hi = (starts[i], ends[i]) if i < len(starts) else (0, 0)
