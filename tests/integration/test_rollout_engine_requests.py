@@ -148,20 +148,22 @@ def test_seeded_long_contexts_run_with_a_small_batch_budget_on_cpu():
     """Eight seeded requests with 300-500-token contexts against a 128-token batch budget."""
     eng = start_engine(max_num_batched_tokens=128, max_model_len=768)
     try:
-        config = eng._engine.vllm_config.scheduler_config
-        assert not config.enable_chunked_prefill and config.max_num_batched_tokens >= 768
         tokenizer = tokenizer_of(eng)
         base = prompts(tokenizer)[1].token_ids
         filler = tokenizer.encode(" ".join(["letters"] * 600), add_special_tokens=False)
+        assert len(base) + len(filler[:475]) + 16 < 768
 
         async def scenario():
             requests = [SegmentRequest(f"long{i}", base + filler[:300 + 25 * i], max_tokens=16, seed=100 + i,
                                        top_logprobs_positions=0) for i in range(8)]
-            return await asyncio.gather(*(eng.generate(r) for r in requests))
+            return await asyncio.gather(*(eng.generate(r) for r in requests), return_exceptions=True)
 
         outs = asyncio.run(scenario())
-        assert [len(o.token_ids) for o in outs] == [16] * 8
-        assert all(o.num_prompt_tokens > 300 for o in outs)
+        failed = [repr(o) for o in outs if isinstance(o, BaseException)]
+        assert not failed, failed[0]  # before: "engine 0 step failed: ... CPU Generator does not use offset"
+        assert all(0 < len(o.token_ids) <= 16 and o.num_prompt_tokens > 300 for o in outs)
+        config = eng._engine.vllm_config.scheduler_config
+        assert not config.enable_chunked_prefill and config.max_num_batched_tokens >= 768
     finally:
         stop_engine(eng)
 
