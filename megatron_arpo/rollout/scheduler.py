@@ -480,7 +480,7 @@ class _Run:
         window = self.o.entropy_window
         # Top-k where the entropy is read at once: the probe, AEPO's pre-monitoring, rollout.entropy_metrics.
         # Any other segment asks for the sampled log-probs alone; if a decision will read its entropy (known
-        # once it ends with a tool call), `_entropy_request` measures it while the tool runs.
+        # once it ends with a tool call), `_measure_entropy` measures it while the tool runs.
         measured = probe or not live.counted or self.o.entropy_metrics
         if probe:
             out = await self._request(pr, live, 0, min(window, budget), window)
