@@ -34,6 +34,7 @@ class RolloutSection:
     entropy_estimator: Literal["reference", "mean"] = setting("reference", help="reference: sum over <= window positions / ln/V/, 0..~3.9, grows with segment length (the published tau/beta's scale); mean: per-token top-k entropy / ln k, 0..1, length independent")
     branch_timing: Literal["after_result", "reference"] = setting("after_result", help="after_result: a decision reads the first window tokens after the tool result (dH != 0 from the 1st decision); reference: the segment that ended with the call (1st decision dH = 0, P = tau)")
     logprobs_topk: int = setting(10, ge=1, help="top-k log-probs per position of the entropy window (other tokens: the sampled one's only)")
+    entropy_metrics: bool = setting(False, help="measure every segment's entropy (top-k in its first entropy_window tokens) for the rollout/entropy_* metrics; false: only where a branch decision reads it (none in GRPO)")
     variant: Literal["arpo", "aepo"] = setting("arpo", help="branching rule")
     dynamic_initial_rollouts: bool = setting(False, help="AEPO entropy pre-monitoring sets initial_rollouts per prompt")
     initial_entropy_tokens: int = setting(50, ge=1, help="AEPO pre-monitoring: tokens sampled for H_root")

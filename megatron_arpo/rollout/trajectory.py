@@ -19,6 +19,7 @@ atomically (temporary sibling, fsync, rename).
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import json
 import logging
@@ -27,6 +28,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
+
+import numpy as np
 
 from megatron_arpo.fsutil import atomic_write
 
@@ -49,7 +52,7 @@ class Segment:
     index: int                 # position among the owner's segments
     start: int                 # response offset of its first token
     num_tokens: int
-    entropy: float             # segment entropy of its first `window` tokens (estimator in the result meta)
+    entropy: Optional[float]   # segment entropy of its first `window` tokens; None: not measured (no decision read it)
     finish: str                # "tool:<tag>" | "eos" | "length"
     num_requests: int = 1      # engine requests it took (2 when an after-result probe was continued)
     num_prompt_tokens: int = 0     # context length of its first request
@@ -329,6 +332,11 @@ def shared_prefix_tokens(trajectories: Sequence[Trajectory]) -> int:
     For every trajectory, the longest common prefix (prompt + response tokens) with any trajectory of the
     same prompt created before it: those tokens were already computed for an earlier sibling or parent.
     A lower bound is not attempted for block granularity; this counts whole tokens.
+
+    The longest common prefix with a set of sequences is the one with a lexicographic neighbour, so each
+    trajectory is compared with two: its responses, in creation order, are inserted into a sorted list
+    (big-endian bytes: byte order is token order, comparisons are memcmp) and matched against the entries
+    on either side. A branch shares at least its fork offset with its parent (``Trajectory.fork``).
     """
     by_prompt: dict[int, list[Trajectory]] = {}
     for t in trajectories:
@@ -336,15 +344,29 @@ def shared_prefix_tokens(trajectories: Sequence[Trajectory]) -> int:
     saved = 0
     for group in by_prompt.values():
         group = sorted(group, key=lambda t: t.index)
-        seqs = [t.context() for t in group]
-        for i in range(1, len(seqs)):
-            best = 0
-            for j in range(i):
-                a, b = seqs[i], seqs[j]
-                k = 0
-                limit = min(len(a), len(b))
-                while k < limit and a[k] == b[k]:
-                    k += 1
-                best = max(best, k)
-            saved += best
+        prompt = group[0].prompt_token_ids
+        same_prompt = all(t.prompt_token_ids == prompt for t in group)
+        prompt_len = len(prompt) if same_prompt else 0
+        ordered: list[bytes] = []
+        for t in group:
+            key = _token_bytes(t.response_ids if same_prompt else t.context())
+            at = bisect.bisect_left(ordered, key)
+            if ordered:
+                shared = max((_common_prefix(key, ordered[j]) for j in (at - 1, at) if 0 <= j < len(ordered)))
+                saved += prompt_len + shared
+            ordered.insert(at, key)
     return saved
+
+
+def _token_bytes(ids: Sequence[int]) -> bytes:
+    return np.asarray(ids, dtype=">u4").tobytes()
+
+
+def _common_prefix(a: bytes, b: bytes) -> int:
+    """Common leading tokens of two `_token_bytes` strings."""
+    n = min(len(a), len(b)) // 4
+    if n == 0:
+        return 0
+    diff = np.frombuffer(a, dtype=">u4", count=n) != np.frombuffer(b, dtype=">u4", count=n)
+    first = int(diff.argmax())
+    return n if not diff[first] else first

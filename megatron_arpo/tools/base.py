@@ -3,7 +3,8 @@
 A `Tool` turns one query (the text between `<tag>` and `</tag>`) into a `ToolResult`. The
 `ToolExecutor` wraps a set of tools with the policy the reference lacks (docs/design/arpo_reference.md §2.6, Q5, Q9):
 
-- bounded concurrency: one `asyncio.Semaphore` shared by all tools of the executor;
+- bounded concurrency per tool: one `asyncio.Semaphore` per tool, so a fast tool (a BM25 search) never
+  queues behind a slow one (a sandbox run);
 - an enforced per-call timeout (`asyncio.wait_for`); a call that runs out of time returns a result with
   `error="timeout"` and a text the model can read, it never raises into the scheduler;
 - retries with exponential backoff only when a backend raises `TransportError` (connection refused,
@@ -26,7 +27,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from typing import Iterable, Optional
+from typing import Iterable, Mapping, Optional
 
 from megatron_arpo.redaction import redact_url
 
@@ -102,7 +103,8 @@ def _empty_stats() -> dict:
 class ToolExecutor:
     """Runs tool calls with bounded concurrency, timeouts, transport-only retries, caching and stats.
 
-    `tools`: the tools, keyed by their tag. `cache`: an optional `ToolCache`. `timeout_s`: bound on one
+    `tools`: the tools, keyed by their tag. `cache`: an optional `ToolCache`. `max_concurrency`: calls of
+    one tool running at once, unless `tool_concurrency` names the tool's own limit. `timeout_s`: bound on one
     call including retries. `retries`: extra attempts after a TransportError (0 = one attempt only).
     `backoff_s` doubles after every failed attempt up to `backoff_max_s`.
     """
@@ -113,6 +115,7 @@ class ToolExecutor:
         *,
         cache=None,
         max_concurrency: int = 8,
+        tool_concurrency: Optional[Mapping[str, int]] = None,
         timeout_s: float = 30.0,
         retries: int = 2,
         backoff_s: float = 0.5,
@@ -127,17 +130,26 @@ class ToolExecutor:
             self.tools[tool.tag] = tool
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency={max_concurrency} must be >= 1")
+        limits = {tag: max_concurrency for tag in self.tools}
+        for tag, limit in (tool_concurrency or {}).items():
+            if tag not in self.tools:
+                raise ValueError(f"tool_concurrency names {tag!r}, which is not a tool of this executor; "
+                                 f"tools: {sorted(self.tools)}")
+            if limit < 1:
+                raise ValueError(f"tools.{tag}.max_concurrency={limit} must be >= 1")
+            limits[tag] = limit
         if timeout_s <= 0:
             raise ValueError(f"timeout_s={timeout_s} must be > 0")
         if retries < 0:
             raise ValueError(f"retries={retries} must be >= 0")
         self.cache = cache
         self.max_concurrency = max_concurrency
+        self.tool_concurrency = limits
         self.timeout_s = float(timeout_s)
         self.retries = int(retries)
         self.backoff_s = float(backoff_s)
         self.backoff_max_s = float(backoff_max_s)
-        self._semaphore: Optional[asyncio.Semaphore] = None
+        self._semaphores: dict[str, asyncio.Semaphore] = {}
         self._semaphore_loop = None
         self._stats: dict[str, dict] = {tag: _empty_stats() for tag in self.tools}
 
@@ -145,14 +157,14 @@ class ToolExecutor:
     def tags(self) -> list[str]:
         return list(self.tools)
 
-    def _get_semaphore(self) -> asyncio.Semaphore:
+    def _get_semaphore(self, tag: str) -> asyncio.Semaphore:
         # Created lazily, per event loop: the executor may be built outside the loop that uses it,
         # and a semaphore cannot move between loops (tests run one loop per asyncio.run).
         loop = asyncio.get_running_loop()
-        if self._semaphore is None or self._semaphore_loop is not loop:
-            self._semaphore = asyncio.Semaphore(self.max_concurrency)
+        if self._semaphore_loop is not loop:
+            self._semaphores = {t: asyncio.Semaphore(n) for t, n in self.tool_concurrency.items()}
             self._semaphore_loop = loop
-        return self._semaphore
+        return self._semaphores[tag]
 
     async def execute(self, tag: str, query: str) -> ToolResult:
         """Run `query` on the tool `tag`. Never raises for tool failures; returns an error result."""
@@ -196,7 +208,7 @@ class ToolExecutor:
         return result
 
     async def _run(self, tool: Tool, query: str) -> ToolResult:
-        async with self._get_semaphore():
+        async with self._get_semaphore(tool.tag):
             try:
                 return await asyncio.wait_for(self._attempts(tool, query), timeout=self.timeout_s)
             except asyncio.TimeoutError:

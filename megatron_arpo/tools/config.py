@@ -20,6 +20,7 @@ MAX_CAPTURE_BYTES = 64 << 20  # held in the trainer's memory per concurrent call
 class PythonToolSection:
     enabled: bool = setting(True)
     tag: str = setting("python", help="the <tag>...</tag> the model writes")
+    max_concurrency: Optional[int] = setting(None, ge=1, help="calls of this tool running at once; null = tools.max_concurrency")
     sandbox: Literal["required", "best_effort"] = setting(
         "required", help="required: refuse to start unless every run gets the bubblewrap sandbox; best_effort: "
         "run code without isolation when it is unavailable (warns at every start)")
@@ -44,6 +45,7 @@ class PythonToolSection:
 class SearchToolSection:
     enabled: bool = setting(True)
     tag: str = setting("search")
+    max_concurrency: Optional[int] = setting(None, ge=1, help="calls of this tool running at once; null = tools.max_concurrency")
     backend: Literal["local", "http", "web"] = setting("local")
     topk: int = setting(3, ge=1, help="passages returned per query")
     result_chars: int = setting(1000, ge=1, help="per-passage truncation")
@@ -67,7 +69,7 @@ class ToolCacheSection:
 
 @dataclass(frozen=True)
 class ToolsSection:
-    max_concurrency: int = setting(8, ge=1, help="tool calls running at once per rollout process")
+    max_concurrency: int = setting(8, ge=1, help="calls of one tool running at once per rollout process (each tool has its own limit: tools.<tool>.max_concurrency, default this)")
     timeout_s: float = setting(30.0, gt=0, help="enforced limit on one call, retries included")
     retries: int = setting(2, ge=0, help="extra attempts after a transport error only (empty output is valid)")
     backoff_s: float = setting(0.5, ge=0, help="first retry delay; doubles each retry")

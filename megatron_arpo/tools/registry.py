@@ -60,7 +60,7 @@ def _kwargs(section: Any, *skip: str) -> dict[str, Any]:
 def build_python_tool(cfg: PythonToolSection | Mapping[str, Any]) -> Tool:
     from megatron_arpo.tools.python_sandbox import PythonSandboxTool
 
-    return PythonSandboxTool(**_kwargs(_section(PythonToolSection, cfg, "tools.python"), "enabled"))
+    return PythonSandboxTool(**_kwargs(_section(PythonToolSection, cfg, "tools.python"), "enabled", "max_concurrency"))
 
 
 def build_search_tool(cfg: SearchToolSection | Mapping[str, Any]) -> Tool:
@@ -99,4 +99,6 @@ def build_tools(cfg: ToolsSection | Mapping[str, Any] | None) -> ToolExecutor:
         if not section.cache.path:
             raise ValueError("tools.cache.path is required when tools.cache is set")
         cache = ToolCache(section.cache.path, busy_timeout_s=section.cache.busy_timeout_s)
-    return ToolExecutor(tools, cache=cache, **_kwargs(section, "python", "search", "cache"))
+    limits = {tool.tag: tool.max_concurrency for tool in (section.python, section.search)
+              if tool.enabled and tool.max_concurrency is not None}
+    return ToolExecutor(tools, cache=cache, tool_concurrency=limits, **_kwargs(section, "python", "search", "cache"))

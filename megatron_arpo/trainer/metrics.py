@@ -15,7 +15,8 @@ dicts), so it is unit-tested without engines. Key names (the ``metrics.jsonl`` c
 - ``rollout/branches_per_prompt``, ``rollout/fills_per_prompt``, ``rollout/response_length{,_max}``,
   ``rollout/truncated_frac``, ``rollout/generated_tokens_per_s``, ``rollout/prefix_cache_hit_rate``,
   ``rollout/entropy_first_segment`` and ``rollout/entropy_after_tool`` (the scheduler's segment
-  entropies from the engine's top-k log-probs: the quantity ARPO branches on),
+  entropies from the engine's top-k log-probs: the quantity ARPO branches on; only segments whose
+  entropy a decision read, unless ``rollout.entropy_metrics``),
   ``rollout/logprob_abs_diff`` (|engine log-prob - actor log-prob| of sampled tokens: the
   training/inference mismatch; it stays small only if every weight sync arrived). vLLM reports
   log-probs of the raw logits (its default ``logprobs_mode``) while the actor applies
@@ -139,8 +140,8 @@ def rollout_metrics(result: Any, seconds: float) -> dict[str, float]:
         "rollout/generated_tokens": stats.get("generated_tokens", 0.0),
         "rollout/generated_tokens_per_s": stats.get("generated_tokens", 0.0) / seconds if seconds > 0 else float("nan"),
         "rollout/prefix_cache_hit_rate": stats.get("engine_cached_tokens", 0.0) / prompt_tokens if prompt_tokens else 0.0,
-        "rollout/entropy_first_segment": _mean([h for h in first if math.isfinite(h)]),
-        "rollout/entropy_after_tool": _mean([h for h in after if math.isfinite(h)]),
+        "rollout/entropy_first_segment": _mean([h for h in first if h is not None and math.isfinite(h)]),
+        "rollout/entropy_after_tool": _mean([h for h in after if h is not None and math.isfinite(h)]),
     }
 
 

@@ -126,7 +126,9 @@ def test_branching_bookkeeping_and_prefix_reuse(engine, tokenizer, tools, timing
             assert sum(traj.loss_mask) == len(traj.response_ids) - tool_tokens
             for s in traj.segments:
                 lps = traj.response_logprobs[s.start:s.start + s.num_tokens]
-                assert all(math.isfinite(x) and x <= 0 for x in lps) and s.entropy > 0
+                assert all(math.isfinite(x) and x <= 0 for x in lps)
+                assert s.entropy is None or s.entropy > 0  # None: no decision read it (issue 30)
+            assert all(d.h_now > 0 and d.h0 > 0 for d in traj.decisions)
             if traj.origin == "branch":
                 parent = by_id[traj.parent_id]
                 off = traj.branch_offset

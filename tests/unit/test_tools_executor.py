@@ -142,6 +142,58 @@ def test_concurrency_is_bounded():
     assert tool.max_active == 3
 
 
+class GatedTool(Tool):
+    """Runs until its gate opens; records how many of its calls run at once and which finished."""
+
+    def __init__(self, tag, gate):
+        self.tag = tag
+        self.gate = gate
+        self.active = 0
+        self.max_active = 0
+        self.finished = []
+
+    async def execute(self, query):
+        self.active += 1
+        self.max_active = max(self.max_active, self.active)
+        try:
+            await self.gate.wait()
+            self.finished.append(query)
+            return ToolResult(text=f"{self.tag}:{query}")
+        finally:
+            self.active -= 1
+
+
+def test_each_tool_has_its_own_concurrency_limit():
+    """Sandbox runs holding every slot of their tool do not hold up a search (one shared semaphore did)."""
+
+    async def scenario():
+        sandbox_gate, search_gate = asyncio.Event(), asyncio.Event()
+        sandbox, search = GatedTool("python", sandbox_gate), GatedTool("search", search_gate)
+        executor = ToolExecutor([sandbox, search], max_concurrency=2, tool_concurrency={"search": 3})
+        runs = [asyncio.ensure_future(executor.execute("python", f"code{i}")) for i in range(5)]
+        await asyncio.sleep(0.01)
+        pending = asyncio.gather(*(executor.execute("search", f"q{i}") for i in range(6)))
+        await asyncio.sleep(0.01)
+        search_gate.set()
+        searches = await asyncio.wait_for(pending, timeout=5)
+        still_running = sandbox.active
+        sandbox_gate.set()
+        await asyncio.gather(*runs)
+        return sandbox, search, searches, still_running
+
+    sandbox, search, searches, still_running = run(scenario())
+    assert [r.text for r in searches] == [f"search:q{i}" for i in range(6)]
+    assert still_running == 2 and sandbox.max_active == 2 and len(sandbox.finished) == 5
+    assert search.max_active == 3
+
+
+def test_a_bad_per_tool_limit_names_the_key():
+    with pytest.raises(ValueError, match=r"tools.search.max_concurrency=0 must be >= 1"):
+        ToolExecutor([ScriptedTool(tag="search")], tool_concurrency={"search": 0})
+    with pytest.raises(ValueError, match=r"tool_concurrency names 'python', which is not a tool of this executor"):
+        ToolExecutor([ScriptedTool(tag="search")], tool_concurrency={"python": 2})
+
+
 def test_unknown_tag_is_an_error_result():
     executor = ToolExecutor([ScriptedTool()])
     result = run(executor.execute("browser", "q"))

@@ -123,7 +123,7 @@ def test_build_tools_from_plain_dict(tmp_path):
     executor = build_tools(
         {
             "python": {"timeout_s": 2, "memory_mb": 256},
-            "search": {"backend": "local", "corpus": str(corpus), "topk": 2},
+            "search": {"backend": "local", "corpus": str(corpus), "topk": 2, "max_concurrency": 16},
             "cache": {"path": str(tmp_path / "cache.sqlite")},
             "max_concurrency": 4,
             "timeout_s": 5,
@@ -132,6 +132,7 @@ def test_build_tools_from_plain_dict(tmp_path):
     )
     assert executor.tags == ["python", "search"]
     assert executor.max_concurrency == 4 and executor.timeout_s == 5 and executor.retries == 1
+    assert executor.tool_concurrency == {"python": 4, "search": 16}
     assert executor.tools["search"].topk == 2 and executor.tools["python"].timeout_s == 2
     assert executor.cache is not None
     assert build_tools({"python": {"enabled": False}, "search": None}).tags == []
