@@ -59,6 +59,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from megatron_arpo.model_config import ModelConfig, layout_errors, load_model_config
+from megatron_arpo.rollout.config import RolloutSection
 from megatron_arpo.weight_sync.protocol import pack_in_order
 
 GiB = 1024 ** 3
@@ -265,8 +266,8 @@ class PlanInput:
     sleep_offload: bool = False  # colocated phases release each other's memory (vLLM sleep + actor offload)
     headroom: float = 0.10
     overhead_gib: float = 2.0  # CUDA context, library workspaces
-    sync_bucket_mb: int = 512  # rollout.sync_bucket_mb
-    sync_transport: str = "auto"  # rollout.sync_transport; auto = ipc colocated, nccl separate
+    sync_bucket_mb: int = RolloutSection.sync_bucket_mb
+    sync_transport: str = RolloutSection.sync_transport  # auto = ipc colocated, nccl separate
     nccl_communicator_gib: float = NCCL_COMMUNICATOR_GIB
     fragmentation: float = FRAGMENTATION
 
@@ -517,7 +518,8 @@ def plan_input_from_config(cfg: Mapping[str, Any] | Any, model: str | None = Non
         concurrency=rollout.get("max_num_seqs") or 64,
         gpu_memory_utilization=rollout.get("gpu_memory_utilization", 0.6),
         placement=sec["trainer"].get("placement", "colocated"),
-        sync_bucket_mb=rollout.get("sync_bucket_mb", 512), sync_transport=rollout.get("sync_transport", "auto"),
+        sync_bucket_mb=rollout.get("sync_bucket_mb", RolloutSection.sync_bucket_mb),
+        sync_transport=rollout.get("sync_transport", RolloutSection.sync_transport),
         # Colocated phases that release each other's memory need both switches (see the module doc).
         sleep_offload=bool(rollout.get("enable_sleep_mode") and actor.get("offload")))
 
