@@ -47,7 +47,8 @@ rollout phase's holdings, with vLLM's KV cache still asleep under sleep + offloa
 buffer (the largest packed bucket: the actor rank's persistent IPC buffer, or the sender's bucket),
 vLLM's clone of that bucket (its IPC and NCCL consumers copy a bucket out before loading it), the NCCL
 communicators of the GPU's processes (``NCCL_COMMUNICATOR_GIB`` each, an estimate) and an allocator
-fragmentation margin (``fragmentation`` of the rest). Since these lines count the slack the headroom
+fragmentation margin (``fragmentation`` of the rest). The IPC buffer stays between syncs, so a colocated
+GPU's phases count it too. Since these lines count the slack the headroom
 stands for elsewhere, the sync fits when it stays under the GPU less the fixed overhead.
 """
 
@@ -339,11 +340,19 @@ def rollout_memory(p: PlanInput) -> dict[str, float]:
 
 
 def colocated_peak(p: PlanInput, actor: dict, rollout: dict) -> float:
-    """Actor peak + vLLM's reservation; with sleep + offload, the larger phase (the actor's weights stay)."""
-    actor_gib = actor["total"] / GiB
+    """Actor peak + vLLM's reservation; with sleep + offload, the larger phase (the actor's weights stay).
+    Either way the actor rank's IPC buffer stays too (`ipc_buffer_gib`)."""
+    actor_gib = actor["total"] / GiB + ipc_buffer_gib(p)
     if p.sleep_offload:
-        return max(actor_gib, rollout["reserved"] + actor["params"] / GiB)
+        return max(actor_gib, rollout["reserved"] + actor["params"] / GiB + ipc_buffer_gib(p))
     return actor_gib + rollout["reserved"]
+
+
+def ipc_buffer_gib(p: PlanInput) -> float:
+    """The IPC sync buffer each colocated actor rank keeps from its first sync on (the largest bucket)."""
+    if p.placement != "colocated" or sync_transport(p) != "ipc":
+        return 0.0
+    return largest_sync_bucket(p.model, p.pp, p.sync_bucket_mb * 2**20) / GiB
 
 
 def sync_transport(p: PlanInput) -> str:
@@ -457,11 +466,13 @@ def suggest_layouts(p: PlanInput, limit: int = 5) -> list[dict]:
                 _, worst = actor_memory(q, world // (tp * pp))
                 gib = worst["total"] / GiB
                 # colocated: the engine's reservation must fit beside the actor's peak
-                room = budget - gib if p.placement == "colocated" and not p.sleep_offload else budget
-                fitting = [(etp, need) for etp, need in engines if need <= room]
+                buffer = ipc_buffer_gib(q)
+                room = budget - gib - buffer if p.placement == "colocated" and not p.sleep_offload else budget - buffer
+                fitting = [(etp, need) for etp, need in engines  # at the utilization suggested below
+                           if _utilization(p, need) * GPU_MEMORY_GIB[p.gpu] <= room]
                 # ... and the weight sync on top of both, with the utilization suggested below
                 fitting = [(etp, need) for etp, need in fitting if _sync_fits(q, etp, need, worst)]
-                if gib <= budget and fitting:
+                if gib + buffer <= budget and fitting:
                     actor.append((rank_order, tp * pp, tp, pp, recompute, gib, fitting[0]))
     out = []
     for _, _, tp, pp, recompute, gib, (etp, need) in sorted(actor, key=lambda a: a[:5])[:limit]:

@@ -150,11 +150,13 @@ def test_colocated_sums_actor_and_vllm_reservation_unless_sleep_and_offload():
     plan = make_plan(p, suggest=False)
     reserved = 0.75 * GPU_MEMORY_GIB["h100-80g"]
     assert plan.rollout_reserved_gib == pytest.approx(reserved)
-    assert plan.colocated_peak_gib == pytest.approx(plan.actor_peak_gib + reserved)
+    buffer = plan.sync_gib["buffer"]  # the actor rank's IPC buffer stays between syncs
+    assert buffer == pytest.approx(152064 * 5120 * 2 / GiB)
+    assert plan.colocated_peak_gib == pytest.approx(plan.actor_peak_gib + reserved + buffer)
     assert plan.fits_actor and plan.fits_rollout and not plan.fits  # each alone fits, together they do not
     assert "actor peak + vLLM reservation on every GPU" in format_plan(plan)
     swapped = make_plan(dataclasses.replace(p, sleep_offload=True), suggest=False)
-    assert swapped.colocated_peak_gib == pytest.approx(reserved + swapped.actor_gib["params"])
+    assert swapped.colocated_peak_gib == pytest.approx(reserved + swapped.actor_gib["params"] + buffer)
     assert swapped.fits
     separate = make_plan(dataclasses.replace(p, placement="separate"), suggest=False)
     assert separate.fits
@@ -250,10 +252,11 @@ def test_a_colocated_32b_recipe_with_a_large_kv_cache_fits_only_with_sleep_and_o
     for switches in ((False, False), (True, False), (False, True)):
         plan = plans[switches]
         assert plan.fits_actor and plan.fits_rollout and not plan.fits, switches
-        assert plan.colocated_peak_gib == pytest.approx(plan.actor_peak_gib + reserved)
+        assert plan.colocated_peak_gib == pytest.approx(plan.actor_peak_gib + reserved + plan.sync_gib["buffer"])
     both = plans[True, True]
     assert both.fits and both.inputs["sleep_offload"]
-    assert both.colocated_peak_gib == pytest.approx(max(both.actor_peak_gib, reserved + both.actor_gib["params"]))
+    assert both.colocated_peak_gib == pytest.approx(max(both.actor_peak_gib, reserved + both.actor_gib["params"])
+                                                    + both.sync_gib["buffer"])
     assert "phases swap (vLLM sleep + actor offload)" in format_plan(both)
     # The recipe as shipped (no switches) fits on its own, with the smaller reservation.
     assert plan_from_config(yaml.safe_load((Path(__file__).resolve().parents[2] / "configs" /
@@ -291,7 +294,8 @@ def test_the_sync_phase_counts_buffer_clone_nccl_and_fragmentation_on_their_own_
     assert g["buffer"] == pytest.approx(embedding) and g["vllm_clone"] == pytest.approx(embedding)
     # colocated, ipc: the actor rank's TP, DP and PP groups and the sender group; the engine worker's TP group
     assert g["nccl"] == pytest.approx(5 * NCCL_COMMUNICATOR_GIB)
-    assert g["held"] == pytest.approx(plan.colocated_peak_gib)  # no sleep: the rollout phase's holdings
+    # no sleep: the rollout phase's holdings, the IPC buffer on its own line
+    assert g["held"] + g["buffer"] == pytest.approx(plan.colocated_peak_gib)
     rest = g["held"] + g["buffer"] + g["vllm_clone"] + g["nccl"]
     assert g["fragmentation"] == pytest.approx(0.05 * rest) and g["total"] == pytest.approx(1.05 * rest)
     assert plan.sync_peak_gib == g["total"] and plan.fits_sync and plan.fits
