@@ -129,6 +129,35 @@ def test_each_rank_exports_one_persistent_buffer_in_every_sync(traces):
     assert len(handles) == 1, handles
 
 
+def test_the_trace_analysis_tells_a_ship_before_the_barrier_from_one_after_it():
+    """The replay itself, on hand-written traces of the two orders (no fake CUDA needed)."""
+    world = tuple(range(WORLD))
+
+    def trace(rank: int, barrier_before_ship: bool) -> list[tuple]:
+        events = [("collective", "all_gather_object", world)]
+        for k in range(3):
+            events += [("collective", "all_gather", (0, 1) if rank < 2 else (2, 3)),  # the bucket's TP gathers
+                       ("handed", 1, k), ("sync", "stream")]
+            events += [("collective", "barrier", world)] if barrier_before_ship else []
+            events += [("read", 1, k, "fake-ipc:1")] if rank == 0 else []
+            events += [("collective", "barrier", world), ("returned", 1, k)]
+        return events
+
+    def packed_before_read(traces) -> bool:
+        stamped = vector_clocks(traces)
+        reads = {(e[1], e[2]): c for e, c in stamped[0] if e[0] == "read"}
+        for rank, events in stamped.items():
+            for i, (event, _) in enumerate(events):
+                if event[0] == "handed":
+                    packed = next(c for e, c in events[i + 1:] if e[0] == "sync")
+                    if not before(packed, rank, reads[event[1], event[2]]):
+                        return False
+        return True
+
+    assert not packed_before_read({r: trace(r, False) for r in range(WORLD)})  # the old IpcSender's order
+    assert packed_before_read({r: trace(r, True) for r in range(WORLD)})
+
+
 # ----------------------------------------------------------------------------------------------- child
 class _Remote:
     """An engine method as ``EngineRef.call`` drives an actor's: ``.remote(...).future()``."""
