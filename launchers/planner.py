@@ -41,6 +41,15 @@ engines' reservation on the same GPU, unless the actor offloads its state and vL
 phases (then the peak of the two phases, with the actor's bf16 weights staying for the sync). A phase
 fits when it stays under ``(1 - headroom)`` of the GPU after a fixed CUDA context/workspace overhead.
 Weight sync per step moves every HF tensor once per engine in bf16.
+
+The weight sync is a phase of its own (`sync_memory`): what the GPU holds when it starts (colocated: the
+rollout phase's holdings, with vLLM's KV cache still asleep under sleep + offload) plus the sync
+buffer (the largest packed bucket: the actor rank's persistent IPC buffer, or the sender's bucket),
+vLLM's clone of that bucket (its IPC and NCCL consumers copy a bucket out before loading it), the NCCL
+communicators of the GPU's processes (``NCCL_COMMUNICATOR_GIB`` each, an estimate) and an allocator
+fragmentation margin (``fragmentation`` of the rest). The IPC buffer stays between syncs, so a colocated
+GPU's phases count it too. Since these lines count the slack the headroom
+stands for elsewhere, the sync fits when it stays under the GPU less the fixed overhead.
 """
 
 from __future__ import annotations
@@ -51,6 +60,8 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from megatron_arpo.model_config import ModelConfig, layout_errors, load_model_config
+from megatron_arpo.rollout.config import RolloutSection
+from megatron_arpo.weight_sync.protocol import pack_in_order
 
 GiB = 1024 ** 3
 
@@ -146,6 +157,41 @@ def kv_bytes_per_token(cfg: ModelConfig, engine_tp: int) -> int:
     return 2 * cfg.num_hidden_layers * kv_heads * cfg.head_dim * BF16
 
 
+# One NCCL communicator's device memory (channel buffers of its protocols and peers), an estimate: about
+# 16-32 channels x 2 peers x ~5 MiB. NVLink SHARP (NCCL_NVLS_ENABLE) can take more.
+NCCL_COMMUNICATOR_GIB = 0.25
+FRAGMENTATION = 0.05  # caching-allocator slack: a share of what the GPU holds during the sync
+
+
+def sync_units(cfg: ModelConfig, pp: int, pp_rank: int, dtype_bytes: int = BF16) -> list[tuple[object, int]]:
+    """``(unit key, bytes)`` of the HF tensors one pipeline stage sends, in the order the sender packs them
+    (``megatron_arpo.actor.hf_live.plan_stage_buckets``): the embedding (with tied embeddings its
+    ``lm_head.weight`` copy rides along), each layer tensor keyed by its layer, the final norm, the LM head."""
+    layers = cfg.num_hidden_layers // pp
+    first, last = pp_rank == 0, pp_rank == pp - 1
+    units: list[tuple[object, int]] = []
+    vocab = cfg.vocab_size * cfg.hidden_size * dtype_bytes
+    if first:
+        units.append(("embedding", vocab * (2 if cfg.tie_word_embeddings else 1)))
+    for name, shape in layer_tensor_shapes(cfg, 1).items():  # rule by rule, each over the stage's layers
+        units += [(pp_rank * layers + i, math.prod(shape) * dtype_bytes) for i in range(layers)]
+    if last:
+        units.append(("final_norm", cfg.hidden_size * dtype_bytes))
+        if not cfg.tie_word_embeddings:
+            units.append(("lm_head", vocab))
+    return units
+
+
+def largest_sync_bucket(cfg: ModelConfig, pp: int, bucket_bytes: int, dtype_bytes: int = BF16) -> int:
+    """Bytes of the largest packed bucket of any stage: the sync buffer's size."""
+    largest = 0
+    for stage in range(pp):
+        units = sync_units(cfg, pp, stage, dtype_bytes)
+        for bucket in pack_in_order(units, bucket_bytes):
+            largest = max(largest, sum(units[i][1] for i in bucket))
+    return largest
+
+
 # Calibrated with `megatron-arpo plan --measure` (benchmarks/RESULTS.md, "planner calibration").
 TRANSIENT = {("te", "none"): 0.85, ("te", "selective"): 0.85, ("te", "full"): 2.1,
              ("local", "none"): 0.62, ("local", "selective"): 1.39, ("local", "full"): 1.62}
@@ -220,7 +266,11 @@ class PlanInput:
     placement: str = "colocated"
     sleep_offload: bool = False  # colocated phases release each other's memory (vLLM sleep + actor offload)
     headroom: float = 0.10
-    overhead_gib: float = 2.0  # CUDA context, NCCL buffers, allocator slack
+    overhead_gib: float = 2.0  # CUDA context, library workspaces
+    sync_bucket_mb: int = RolloutSection.sync_bucket_mb
+    sync_transport: str = RolloutSection.sync_transport  # auto = ipc colocated, nccl separate
+    nccl_communicator_gib: float = NCCL_COMMUNICATOR_GIB
+    fragmentation: float = FRAGMENTATION
 
 
 @dataclass
@@ -243,6 +293,9 @@ class Plan:
     fits: bool
     weight_sync_gib_per_engine: float
     weight_sync_gib_total: float
+    sync_gib: dict = field(default_factory=dict)  # held, buffer, vllm_clone, nccl, fragmentation (see sync_memory)
+    sync_peak_gib: float = 0.0
+    fits_sync: bool = True
     suggestions: list = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -274,6 +327,11 @@ def budget_gib(p: PlanInput) -> float:
     return GPU_MEMORY_GIB[p.gpu] * (1 - p.headroom) - p.overhead_gib
 
 
+def sync_limit_gib(p: PlanInput) -> float:
+    """The sync phase's limit: its slack is counted line by line (`sync_memory`), not by the headroom."""
+    return GPU_MEMORY_GIB[p.gpu] - p.overhead_gib
+
+
 def rollout_memory(p: PlanInput) -> dict[str, float]:
     weights = engine_weight_bytes(p.model, p.engine_tp) / GiB
     kv = kv_bytes_per_token(p.model, p.engine_tp) * p.max_model_len * p.concurrency / GiB
@@ -282,11 +340,60 @@ def rollout_memory(p: PlanInput) -> dict[str, float]:
 
 
 def colocated_peak(p: PlanInput, actor: dict, rollout: dict) -> float:
-    """Actor peak + vLLM's reservation; with sleep + offload, the larger phase (the actor's weights stay)."""
-    actor_gib = actor["total"] / GiB
+    """Actor peak + vLLM's reservation; with sleep + offload, the larger phase (the actor's weights stay).
+    Either way the actor rank's IPC buffer stays too (`ipc_buffer_gib`)."""
+    actor_gib = actor["total"] / GiB + ipc_buffer_gib(p)
     if p.sleep_offload:
-        return max(actor_gib, rollout["reserved"] + actor["params"] / GiB)
+        return max(actor_gib, rollout["reserved"] + actor["params"] / GiB + ipc_buffer_gib(p))
     return actor_gib + rollout["reserved"]
+
+
+def ipc_buffer_gib(p: PlanInput) -> float:
+    """The IPC sync buffer each colocated actor rank keeps from its first sync on (the largest bucket)."""
+    if p.placement != "colocated" or sync_transport(p) != "ipc":
+        return 0.0
+    return largest_sync_bucket(p.model, p.pp, p.sync_bucket_mb * 2**20) / GiB
+
+
+def sync_transport(p: PlanInput) -> str:
+    if p.sync_transport != "auto":
+        return p.sync_transport
+    return "ipc" if p.placement == "colocated" else "nccl"
+
+
+def nccl_communicators(p: PlanInput, dp: int, transport: str) -> dict[str, int]:
+    """Communicators with a member on one GPU, by owner: the actor rank's Megatron groups in use (TP, DP,
+    PP) and the sender group of an IPC sync (the default group), the engine worker's TP group and NCCL
+    weight-transfer group; colocated, both processes share the GPU."""
+    world = p.nodes * p.gpus_per_node
+    actor = (p.tp > 1) + (dp > 1) + (p.pp > 1) + (transport == "ipc" and world > 1)
+    engine = (p.engine_tp > 1) + (transport == "nccl")
+    return {"actor": int(actor + (transport == "nccl")), "engine": int(engine)}
+
+
+def sync_memory(p: PlanInput, dp: int, actor: dict, rollout: dict) -> dict[str, float]:
+    """GiB one GPU holds during a weight sync, line by line (see the module docstring); ``total`` is the
+    colocated GPU's, or with separate placement the larger of the actor's and the engine's GPU."""
+    transport = sync_transport(p)
+    bucket = largest_sync_bucket(p.model, p.pp, p.sync_bucket_mb * 2**20) / GiB
+    comms = nccl_communicators(p, dp, transport)
+    nccl = p.nccl_communicator_gib
+    if p.placement == "colocated":
+        # sleep + offload: the actor keeps its weights, vLLM has woken its weights and not yet its KV cache
+        held = (actor["params"] / GiB + rollout["weights"] if p.sleep_offload
+                else actor["total"] / GiB + rollout["reserved"])
+        lines = {"held": held, "buffer": bucket, "vllm_clone": bucket,
+                 "nccl": nccl * (comms["actor"] + comms["engine"])}
+    else:  # the larger side: the sender's GPU (its bucket) or an engine GPU (received bucket + its clone)
+        sender = actor["total"] / GiB + bucket + nccl * comms["actor"]
+        engine = rollout["reserved"] + 2 * bucket + nccl * comms["engine"]
+        lines = ({"held": actor["total"] / GiB, "buffer": bucket, "vllm_clone": 0.0, "nccl": nccl * comms["actor"]}
+                 if sender >= engine else
+                 {"held": rollout["reserved"], "buffer": bucket, "vllm_clone": bucket,
+                  "nccl": nccl * comms["engine"]})
+    lines["fragmentation"] = p.fragmentation * sum(lines.values())
+    lines["total"] = sum(lines.values())
+    return lines
 
 
 def make_plan(p: PlanInput, suggest: bool = True) -> Plan:
@@ -310,10 +417,12 @@ def make_plan(p: PlanInput, suggest: bool = True) -> Plan:
     actor_peak = worst["total"] / GiB
     colocated = colocated_peak(p, worst, rollout)
     num_engines = p.num_engines or max(1, world // p.engine_tp)
-    sync = hf_param_count(p.model) * BF16 / GiB
+    moved = hf_param_count(p.model) * BF16 / GiB
+    sync = sync_memory(p, dp, worst, rollout)
     fits_actor = actor_peak <= budget
     fits_rollout = rollout["total"] <= rollout["reserved"] <= budget + p.overhead_gib
-    fits = fits_rollout and (colocated <= budget if p.placement == "colocated" else fits_actor)
+    fits_sync = sync["total"] <= sync_limit_gib(p)
+    fits = fits_rollout and fits_sync and (colocated <= budget if p.placement == "colocated" else fits_actor)
     plan = Plan(inputs={k: v for k, v in dataclasses.asdict(p).items() if k != "model"} | {"model": p.model.name},
                 world=world, dp=dp, total_params=hf_param_count(p.model),
                 params_per_rank={k: s["num_params"] for k, s in stages.items()}, worst_stage=worst["stage"],
@@ -321,7 +430,8 @@ def make_plan(p: PlanInput, suggest: bool = True) -> Plan:
                 actor_peak_gib=actor_peak, rollout_gib=rollout, rollout_peak_gib=rollout["total"],
                 rollout_reserved_gib=rollout["reserved"], colocated_peak_gib=colocated, budget_gib=budget,
                 fits_actor=fits_actor, fits_rollout=fits_rollout, fits=fits,
-                weight_sync_gib_per_engine=sync, weight_sync_gib_total=sync * num_engines)
+                weight_sync_gib_per_engine=moved, weight_sync_gib_total=moved * num_engines,
+                sync_gib=sync, sync_peak_gib=sync["total"], fits_sync=fits_sync)
     if suggest:
         plan.suggestions = suggest_layouts(p)
     return plan
@@ -356,17 +466,31 @@ def suggest_layouts(p: PlanInput, limit: int = 5) -> list[dict]:
                 _, worst = actor_memory(q, world // (tp * pp))
                 gib = worst["total"] / GiB
                 # colocated: the engine's reservation must fit beside the actor's peak
-                room = budget - gib if p.placement == "colocated" and not p.sleep_offload else budget
-                fitting = [(etp, need) for etp, need in engines if need <= room]
-                if gib <= budget and fitting:
+                buffer = ipc_buffer_gib(q)
+                room = budget - gib - buffer if p.placement == "colocated" and not p.sleep_offload else budget - buffer
+                fitting = [(etp, need) for etp, need in engines  # at the utilization suggested below
+                           if _utilization(p, need) * GPU_MEMORY_GIB[p.gpu] <= room]
+                # ... and the weight sync on top of both, with the utilization suggested below
+                fitting = [(etp, need) for etp, need in fitting if _sync_fits(q, etp, need, worst)]
+                if gib + buffer <= budget and fitting:
                     actor.append((rank_order, tp * pp, tp, pp, recompute, gib, fitting[0]))
     out = []
     for _, _, tp, pp, recompute, gib, (etp, need) in sorted(actor, key=lambda a: a[:5])[:limit]:
-        util = need / GPU_MEMORY_GIB[p.gpu]
         out.append({"actor_tp": tp, "actor_pp": pp, "recompute": recompute, "actor_gib": round(gib, 1),
                     "engine_tp": etp, "engine_gib": round(need, 1),
-                    "gpu_memory_utilization": math.ceil(util * 100) / 100})
+                    "gpu_memory_utilization": _utilization(p, need)})
     return out
+
+
+def _sync_fits(q: PlanInput, engine_tp: int, need_gib: float, worst: dict) -> bool:
+    q = dataclasses.replace(q, engine_tp=engine_tp, gpu_memory_utilization=_utilization(q, need_gib))
+    dp = q.nodes * q.gpus_per_node // (q.tp * q.pp)
+    return sync_memory(q, dp, worst, rollout_memory(q))["total"] <= sync_limit_gib(q)
+
+
+def _utilization(p: PlanInput, need_gib: float) -> float:
+    """The smallest rollout.gpu_memory_utilization (in hundredths) that holds ``need_gib``."""
+    return math.ceil(need_gib / GPU_MEMORY_GIB[p.gpu] * 100) / 100
 
 
 def _entropy_in_loss(algorithm: Mapping[str, Any]) -> bool:
@@ -405,6 +529,8 @@ def plan_input_from_config(cfg: Mapping[str, Any] | Any, model: str | None = Non
         concurrency=rollout.get("max_num_seqs") or 64,
         gpu_memory_utilization=rollout.get("gpu_memory_utilization", 0.6),
         placement=sec["trainer"].get("placement", "colocated"),
+        sync_bucket_mb=rollout.get("sync_bucket_mb", RolloutSection.sync_bucket_mb),
+        sync_transport=rollout.get("sync_transport", RolloutSection.sync_transport),
         # Colocated phases that release each other's memory need both switches (see the module doc).
         sleep_offload=bool(rollout.get("enable_sleep_mode") and actor.get("offload")))
 
@@ -412,6 +538,22 @@ def plan_input_from_config(cfg: Mapping[str, Any] | Any, model: str | None = Non
 def plan_from_config(cfg: Mapping[str, Any] | Any, **overrides) -> Plan:
     """A plan from an experiment config plus CLI overrides (see :func:`plan_input_from_config`)."""
     return make_plan(plan_input_from_config(cfg, **overrides))
+
+
+def format_sync(plan: Plan) -> list[str]:
+    """The weight-sync phase of a GPU, one line per item."""
+    i, g = plan.inputs, plan.sync_gib
+    transport = i["sync_transport"] if i["sync_transport"] != "auto" else \
+        ("ipc" if i["placement"] == "colocated" else "nccl")
+    ok = {True: "fits", False: "DOES NOT FIT"}
+    return [f"weight sync ({transport}, buckets of {i['sync_bucket_mb']} MiB) on one GPU:",
+            f"  held when it starts: {g['held']:.1f} GiB",
+            f"  sync buffer (largest bucket): {g['buffer']:.2f} GiB",
+            f"  vLLM's clone of a bucket: {g['vllm_clone']:.2f} GiB",
+            f"  NCCL communicators: {g['nccl']:.2f} GiB",
+            f"  fragmentation margin ({i['fragmentation']:.0%}): {g['fragmentation']:.1f} GiB",
+            f"  sync peak: {plan.sync_peak_gib:.1f} GiB of {GPU_MEMORY_GIB[i['gpu']] - i['overhead_gib']:.1f} GiB "
+            f"(the GPU less the {i['overhead_gib']} GiB overhead) -> {ok[plan.fits_sync]}"]
 
 
 def format_plan(plan: Plan) -> str:
@@ -441,6 +583,7 @@ def format_plan(plan: Plan) -> str:
         phase,
         f"weight sync per step: {plan.weight_sync_gib_per_engine:.1f} GiB per engine, "
         f"{plan.weight_sync_gib_total:.1f} GiB to all engines",
+        *format_sync(plan),
     ]
     if plan.suggestions:
         lines.append("layouts that fit (actor TP x PP, engine TP, rollout.gpu_memory_utilization):")

@@ -20,6 +20,9 @@
    Other data-parallel replicas have nothing to do. ``ipc``: every rank of every replica materialises
    every bucket in its GPU's IPC buffer (TP gather, then the owning stage broadcasts the packed bucket to
    the other stages, ``megatron_arpo.actor.hf_live.export_hf_buckets``), and global rank 0 ships the handles.
+   The IPC buffer (the largest bucket) is allocated at the first sync and kept until `close()`: one per
+   rank for the whole run, which ``megatron-arpo plan`` counts (a fresh one per sync left the previous one
+   waiting for ``ipc_collect`` while the next was allocated).
 
 With tied embeddings the LM head is sent as well, as ``lm_head.weight`` (a copy of the embedding in the
 same bucket): vLLM 0.32 on CPU computes logits from a copy of the LM head prepared at load time, and a
@@ -53,6 +56,7 @@ class ActorSync:
         self.sender = None
         self._endpoint = None
         self.pool = None  # the stage sender's bucket buffers, kept across syncs (see `_stream_stage`)
+        self.ipc_buffer: Optional[torch.Tensor] = None  # this rank's CUDA-IPC buffer, kept across syncs
 
     @property
     def aliases(self) -> dict:
@@ -165,20 +169,25 @@ class ActorSync:
 
         w = self.worker
         size = max_bucket_bytes(w.model_cfg, w.pp, w.params_dtype, bucket_bytes, self.aliases)
-        buffer = torch.empty(size, dtype=torch.uint8, device=torch.device("cuda", torch.cuda.current_device()))
-        self.sender.share(buffer)
+        if self.ipc_buffer is None or self.ipc_buffer.numel() < size:
+            self.ipc_buffer = None  # a larger bucket size: the old buffer goes before the new one comes
+            self.ipc_buffer = torch.empty(size, dtype=torch.uint8,
+                                          device=torch.device("cuda", torch.cuda.current_device()))
+            logger.info("weight sync: IPC buffer of %.2f GiB on this rank, kept across syncs", size / 2**30)
+        self.sender.share(self.ipc_buffer)
         self.sender.begin(sync_id)
         for flat, named in export_hf_buckets(w.model, w.model_cfg, bucket_bytes, aliases=self.aliases,
-                                             buffer=buffer):
+                                             buffer=self.ipc_buffer):
             self.sender.send(flat, named, verify_fraction)
-        report = self.sender.end()
-        del buffer
-        return report
+        return self.sender.end()
 
     def close(self) -> None:
         if self.pool is not None:
             self.pool.clear()
             self.pool = None
+        if self.ipc_buffer is not None:
+            self.ipc_buffer = None
+            torch.cuda.ipc_collect()  # the engines released their mapping at the last update's end
         if self.sender is not None:
             self.sender.close()
             self.sender = None

@@ -18,7 +18,14 @@ parameters are bf16 on the device. It is built from the facts measured in
   tensors need both. If it cannot be built (no C++ compiler), :func:`load_guard` raises
   :class:`FakeCudaUnavailable` with the reason; tests skip showing it, never pass silently.
 - ``torch.cuda`` stubs: availability, device count/index/capability (9, 0)/properties, synchronize,
-  memory queries, and the CUDA RNG API mapped onto the CPU generator.
+  streams (``current_stream().synchronize()``), memory queries, and the CUDA RNG API mapped onto the
+  CPU generator. ``reduce_tensor`` of a fake cuda tensor (a CUDA-IPC export) returns
+  ``rebuild_cuda_tensor`` arguments whose handle names the exported storage (``fake-ipc:<id>``: views
+  of one buffer share it), so a test can tell one reused IPC buffer from a fresh one per export.
+- **Trace** (:attr:`FakeCudaSession.trace`): every collective this rank takes part in (with the
+  group's global ranks), barriers and object collectives included, and every stream or device
+  synchronize, in program order. With the traces of all ranks a test orders events across ranks
+  (the n-th collective of a group joins its members).
 - **Collective checker**: all_reduce, broadcast, all_gather(_into_tensor), reduce_scatter(_tensor),
   reduce, gather, scatter, all_to_all(_single) and batch_isend_irecv are wrapped; a non-cuda tensor
   passed to a group whose intended backend is NCCL is recorded with the call site (the first frame
@@ -193,8 +200,34 @@ class _DeviceState:
     index: int = 0
 
 
-def _install_cuda_stubs(patches: _Patches, device: _DeviceState, num_devices: int, guard) -> None:
+class _FakeStream:
+    """The current stream of the fake device: work is never pending, a synchronize is traced."""
+
+    def __init__(self, device: "_DeviceState", trace: list):
+        self._device, self._trace = device, trace
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", self._device.index)
+
+    def synchronize(self) -> None:
+        self._trace.append(("sync", "stream"))
+
+    def query(self) -> bool:
+        return True
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+
+def _install_cuda_stubs(patches: _Patches, device: _DeviceState, num_devices: int, guard,
+                        trace: list | None = None) -> None:
     cuda = torch.cuda
+    trace = [] if trace is None else trace
+    stream = _FakeStream(device, trace)
 
     def _index(d=None) -> int:
         if d is None:
@@ -232,7 +265,9 @@ def _install_cuda_stubs(patches: _Patches, device: _DeviceState, num_devices: in
         "get_device_properties": lambda d=None: props,
         "get_device_name": lambda d=None: props.name,
         "is_bf16_supported": lambda including_emulation=True: True,
-        "synchronize": lambda d=None: None,
+        "synchronize": lambda d=None: trace.append(("sync", "device")),
+        "current_stream": lambda d=None: stream,
+        "default_stream": lambda d=None: stream,
         "empty_cache": lambda: None,
         "ipc_collect": lambda: None,
         "memory_allocated": lambda d=None: 0,
@@ -260,6 +295,28 @@ def _install_cuda_stubs(patches: _Patches, device: _DeviceState, num_devices: in
     from torch.cuda import nccl
 
     patches.set(nccl, "version", lambda: (2, 27, 3))  # logged by c10d for "nccl" groups
+    _install_ipc_export(patches)
+
+
+def _install_ipc_export(patches: _Patches) -> None:
+    """``reduce_tensor`` of a fake cuda tensor: the 15 ``rebuild_cuda_tensor`` arguments of a real export,
+    its handle naming the storage (a real one would be the allocation's cudaIpcMemHandle)."""
+    from torch.multiprocessing import reductions
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    original = reductions.reduce_tensor
+
+    def reduce_tensor(tensor):
+        if not (isinstance(tensor, FakeTensor) and tensor.device.type == "cuda"):
+            return original(tensor)
+        storage = tensor.untyped_storage()
+        handle = f"fake-ipc:{storage._cdata}".encode()
+        return (reductions.rebuild_cuda_tensor,
+                (type(tensor), tensor.shape, tensor.stride(), tensor.storage_offset(), torch.storage.TypedStorage,
+                 tensor.dtype, tensor.device.index, handle, storage.nbytes(), 0, tensor.requires_grad,
+                 b"fake-ref-counter", 0, b"", False))
+
+    patches.set(reductions, "reduce_tensor", reduce_tensor)
     for name in ("get_rng_state", "set_rng_state", "manual_seed", "manual_seed_all", "get_rng_state_all",
                  "set_rng_state_all", "seed", "seed_all", "initial_seed"):
         patches.set(cuda.random, name, stubs[name])
@@ -324,6 +381,20 @@ class FakeCudaSession:
     _backends: dict[int, str] = field(default_factory=dict)
     _peer: dict[str, list[bytes]] = field(default_factory=dict)
     _peer_pos: dict[str, int] = field(default_factory=dict)
+    # Program-order events: ("collective", name, group ranks), ("sync", what), and whatever a test adds
+    # with `note` (see the module docstring).
+    trace: list[tuple] = field(default_factory=list)
+
+    def note(self, *event) -> None:
+        """Append a test's own event to this rank's trace (e.g. "bucket k packed")."""
+        self.trace.append(tuple(event))
+
+    def _collective(self, name: str, group) -> None:
+        try:
+            ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+        except Exception:  # noqa: BLE001 (a group this rank is not in: the call itself will say so)
+            return
+        self.trace.append(("collective", name, ranks))
 
     @property
     def local_rank(self) -> int:
@@ -376,6 +447,7 @@ def _wrap_collective(session: FakeCudaSession, name: str, original: Callable) ->
         if getattr(_inside, "active", False):  # torch re-enters through __torch_function__ with the public name
             return original(*args, **kwargs)
         group = _group_arg(name, args, kwargs)
+        session._collective(name, group)
         backend = session.intended_backend(group)
         if backend == "nccl":
             devices = tuple(sorted({str(t.device) for t in _tensors_in(args, kwargs)}))
@@ -416,6 +488,15 @@ def _install_dist(patches: _Patches, session: FakeCudaSession) -> None:
             if hasattr(mod, name):
                 patches.set(mod, name, _wrap_collective(session, name, getattr(c10d, name)))
 
+    original_barrier = c10d.barrier
+
+    def barrier(group=None, *args, **kwargs):
+        session._collective("barrier", group)
+        return original_barrier(group, *args, **kwargs)
+
+    for mod in (dist, c10d):
+        patches.set(mod, "barrier", barrier)
+
     original_batch = c10d.batch_isend_irecv
 
     def batch_isend_irecv(p2p_op_list):
@@ -444,15 +525,18 @@ def _install_dist(patches: _Patches, session: FakeCudaSession) -> None:
         return dist.get_rank(group) if group is not None else session.rank
 
     def all_gather_object(object_list, obj, group=None):
+        session._collective("all_gather_object", group)
         for i in range(len(object_list)):
             object_list[i] = obj
 
     def gather_object(obj, object_gather_list=None, dst=None, group=None, group_dst=None):
+        session._collective("gather_object", group)
         if object_gather_list is not None:
             for i in range(len(object_gather_list)):
                 object_gather_list[i] = obj
 
     def broadcast_object_list(object_list, src=None, group=None, device=None, group_src=None):
+        session._collective("broadcast_object_list", group)
         src_global = src if src is not None else dist.get_global_rank(group, group_src)
         if src_global == session.rank:
             session._record(src_global, group, object_list)
@@ -463,6 +547,7 @@ def _install_dist(patches: _Patches, session: FakeCudaSession) -> None:
 
     def scatter_object_list(scatter_object_output_list, scatter_object_input_list=None, src=None, group=None,
                             group_src=None):
+        session._collective("scatter_object_list", group)
         src_global = src if src is not None else dist.get_global_rank(group, group_src)
         if src_global == session.rank:
             session._record(src_global, group, scatter_object_input_list)
@@ -521,7 +606,7 @@ def fake_cuda(world_size: int, rank: int, *, num_devices: int = MAX_DEVICES,
     device = _DeviceState(index=rank % num_devices)
     modes = contextlib.ExitStack()
     try:
-        _install_cuda_stubs(patches, device, num_devices, guard)
+        _install_cuda_stubs(patches, device, num_devices, guard, session.trace)
         guard.set_device(device.index)
         _install_dist(patches, session)
         install_megatron_gaps(patches)

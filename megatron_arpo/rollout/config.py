@@ -20,6 +20,7 @@ class RolloutSection:
     tensor_parallel: Optional[int] = setting(None, ge=1, help="TP per engine; null = model config default")
     cpu_kv_cache_gib: float = setting(1.0, gt=0, help="VLLM_CPU_KVCACHE_SPACE per engine on CPU")
     gpu_memory_utilization: float = setting(0.6, gt=0, le=1, help="vLLM share of GPU memory on GPU")
+    kv_cache_gib: Optional[float] = setting(None, gt=0, help="GPU: KV cache per engine worker, fixed (vLLM kv_cache_memory_bytes) instead of what gpu_memory_utilization leaves after vLLM's profile; megatron-arpo plan shows the need")
     cpu_omp_threads_bind: Optional[str] = setting(None, help="VLLM_CPU_OMP_THREADS_BIND; null = leave unset")
     max_model_len: Optional[int] = setting(None, ge=1, help="null = data.max_prompt_tokens + response_length")
     max_num_seqs: Optional[int] = setting(None, ge=1, help="vLLM max_num_seqs; null = vLLM default")

@@ -61,6 +61,7 @@ from types import SimpleNamespace
 from typing import Any, Optional, Sequence
 
 from megatron_arpo.rollout.config import RolloutSection
+from megatron_arpo.rollout.kv_cache import kv_cache_info
 
 logger = logging.getLogger(__name__)
 
@@ -128,6 +129,7 @@ class EngineConfig:
     block_size: Optional[int] = None        # CPU attention needs a multiple of 32
     enable_prefix_caching: bool = RolloutSection.enable_prefix_caching
     gpu_memory_utilization: float = RolloutSection.gpu_memory_utilization
+    kv_cache_gib: Optional[float] = RolloutSection.kv_cache_gib  # GPU: vLLM's kv_cache_memory_bytes
     max_num_seqs: Optional[int] = RolloutSection.max_num_seqs
     max_num_batched_tokens: Optional[int] = RolloutSection.max_num_batched_tokens
     enforce_eager: bool = False
@@ -151,6 +153,7 @@ class EngineConfig:
             seed=rollout.seed,
             enable_prefix_caching=rollout.enable_prefix_caching,
             gpu_memory_utilization=rollout.gpu_memory_utilization,
+            kv_cache_gib=rollout.kv_cache_gib,
             max_num_seqs=rollout.max_num_seqs,
             max_num_batched_tokens=rollout.max_num_batched_tokens,
             cpu_kv_cache_gib=rollout.cpu_kv_cache_gib,
@@ -286,6 +289,8 @@ class VllmEngine:
         if _cuda_available():
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
             kwargs["enable_sleep_mode"] = cfg.enable_sleep_mode
+            if cfg.kv_cache_gib is not None:  # a fixed size, whatever the device's free memory at start
+                kwargs["kv_cache_memory_bytes"] = int(cfg.kv_cache_gib * 2**30)
         elif cfg.enable_sleep_mode:
             logger.info("engine %d: vLLM's sleep mode is CUDA-only; on CPU sleep/wake_up pause and resume the "
                         "scheduler and free no memory", engine_index)
@@ -306,8 +311,9 @@ class VllmEngine:
         self._engine = self._llm.llm_engine
         self.max_model_len = int(self._llm.llm_engine.model_config.max_model_len)
         self._padded_bias = self._padded_row_bias()
-        logger.info("engine %d: %s ready in %.1f s (max_model_len %d)", engine_index, cfg.model,
-                    time.monotonic() - start, self.max_model_len)
+        cache = self._engine.vllm_config.cache_config
+        logger.info("engine %d: %s ready in %.1f s (max_model_len %d, KV cache %s blocks of %s tokens)", engine_index,
+                    cfg.model, time.monotonic() - start, self.max_model_len, cache.num_gpu_blocks, cache.block_size)
         self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-engine")
         self._futures: dict[str, asyncio.Future] = {}
         self._top_positions: dict[str, Optional[int]] = {}   # request id -> top_logprobs_positions
@@ -617,6 +623,10 @@ class VllmEngine:
                 if value != merged.get(name):
                     merged[name] = None
         return merged
+
+    async def kv_cache_info(self) -> dict[str, Any]:
+        """The KV cache vLLM allocated, per worker (`megatron_arpo.rollout.kv_cache.kv_cache_info`)."""
+        return kv_cache_info(self._engine.vllm_config, self.engine_index)
 
     async def health(self) -> dict[str, Any]:
         return {"engine_index": self.engine_index, "ok": self._error is None,

@@ -22,6 +22,11 @@ is the resumed run's first sync):
      last sync, a resumed checkpoint) or were dropped (level 2);
   4. the engines wake their KV cache, the largest part, once the sync's buckets are gone.
 
+At start-up (``megatron_arpo.trainer.runtime``) the engines come first: up, profiled, their KV cache
+checked against the plan and, with sleep mode, asleep, before the actor allocates anything; the first
+switch to ``"rollout"`` then wakes them (and syncs, since level 2 dropped their weights). `PhaseState.events`
+records the order.
+
 The planner (``launchers.planner``) counts exactly this: with both switches a GPU holds the larger of
 the two phases, ``max(actor peak, vLLM reservation + actor weights)``, instead of their sum. The state
 (``PhaseState``) lives on the Runtime. With neither switch (the default, and always on separate
@@ -42,7 +47,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 logger = logging.getLogger(__name__)
@@ -59,6 +64,13 @@ class PhaseState:
     weights_dropped: bool = False    # slept at level 2: the engines hold no weights until a sync
     actor_offloaded: bool = False
     weights_stale: bool = False      # the actor's weights changed since the engines last got them
+    # What happened to the GPUs' holders, in order ("engines ready", "engines asleep", "actor ready", ...):
+    # the start-up (megatron_arpo.trainer.runtime) and every switch append to it, and log each line.
+    events: list[str] = field(default_factory=list, compare=False)
+
+    def note(self, event: str) -> None:
+        self.events.append(event)
+        logger.info("phase: %s", event)
 
     @classmethod
     def from_config(cls, cfg: Any) -> "PhaseState":
@@ -89,6 +101,7 @@ def sleep_engines(rt: Any, metrics: Optional[dict] = None) -> None:
         return
     _timed(metrics if metrics is not None else {}, "sleep", lambda: _on_engines(rt, "sleep", st.sleep_level))
     st.engines_asleep, st.weights_dropped = True, st.sleep_level == 2
+    st.note(f"engines asleep (level {st.sleep_level})")
 
 
 def switch_phase(rt: Any, target: str) -> dict[str, float]:
@@ -104,19 +117,24 @@ def switch_phase(rt: Any, target: str) -> dict[str, float]:
         if st.actor_offloaded:
             metrics.update(_timed(metrics, "onload", rt.actor.onload_state))
             st.actor_offloaded = False
+            st.note("actor onloaded")
     else:
         if st.offload and not st.actor_offloaded and rt.actor is not None:
             moved = _timed(metrics, "offload", rt.actor.offload_state)
             metrics["phase/offload_optimizer_gib"] = moved.get("offload_optimizer_bytes", 0.0) / 2**30
             metrics["phase/offload_grad_gib"] = moved.get("offload_grad_bytes", 0.0) / 2**30
             st.actor_offloaded = True
+            st.note("actor offloaded")
         if st.engines_asleep:
             _timed(metrics, "wake_weights", lambda: _on_engines(rt, "wake_up", ["weights"]))
+            st.note("engines woke their weights")
         if st.weights_stale or st.weights_dropped:
             metrics.update(sync_weights(rt))
             st.weights_stale = st.weights_dropped = False
+            st.note("weights synced")
         if st.engines_asleep:
             _timed(metrics, "wake_kv_cache", lambda: _on_engines(rt, "wake_up", ["kv_cache"]))
             st.engines_asleep = False
+            st.note("engines woke their KV cache")
     st.phase = target
     return {k: v for k, v in metrics.items() if not k.startswith(("offload_", "onload_"))}

@@ -12,11 +12,17 @@ config key to fix, and everything already started is stopped again on failure):
 3. Ray (``connect_ray``: RAY_ADDRESS, a Slurm allocation, or a private local instance), the resource
    pools of ``trainer.placement`` (``colocated``: actor ranks and engines share bundles, time-sliced;
    ``separate``: disjoint pools);
-4. the vLLM engine actors (started first, so their start overlaps the Megatron start), the policy
-   ``ActorGroup`` (from the HF checkpoint, or from the resume checkpoint) and, when
-   ``algorithm.use_reference`` is on, a frozen reference group on the same bundles as the policy;
+4. the vLLM engine actors, up and profiled before anything of the actor exists: vLLM sizes its KV cache
+   from the device's free memory during its start, so a colocated actor allocating meanwhile (weights,
+   DDP buffers, a resumed optimizer state) would shrink it. Each engine's KV cache is checked against the
+   plan (``megatron_arpo.rollout.kv_cache``: one line naming the numbers and the fix when it is smaller)
+   and, with ``rollout.enable_sleep_mode``, the engines sleep (``megatron_arpo.trainer.phases``). Then
+   the policy ``ActorGroup`` (from the HF checkpoint, or from the resume checkpoint) and, when
+   ``algorithm.use_reference`` is on, a frozen reference group on the same bundles as the policy. The
+   order is in ``Runtime.phases.events``;
 5. the rollout group and scheduler, the weight-sync transport, the metrics logger;
-6. on resume: sampler, step and tool cache restored, and the engines loaded with the resumed weights.
+6. on resume: sampler, step and tool cache restored; the first switch to the rollout phase wakes the
+   engines and loads them with the actor's weights (resumed, or dropped by a level-2 sleep).
 
 With ``replay_dir`` (``train --replay-rollouts DIR``, ``megatron_arpo.trainer.replay``) the tools, the
 engines, the rollout group, the scheduler and the weight-sync transport are not started and validation is
@@ -27,10 +33,6 @@ counts the config's steps).
 Ray connection (a private local Ray instance ends with it) — and reports any actor of this job still
 alive. Every blocking call is bounded by a ``trainer.timeouts`` value (``Runtime.run_async`` for the
 asyncio parts; the actor group and ``ray.get`` calls take their own timeouts).
-
-Colocated placement on GPU would let the engines release their memory (vLLM sleep mode) while the actor
-trains; ``VllmEngine`` has no sleep/wake yet, so on GPU both stay resident and
-``rollout.gpu_memory_utilization`` must leave room for the actor.
 """
 
 from __future__ import annotations
@@ -257,6 +259,29 @@ def _start_engines(rt: Runtime, hf_dir: str, on_gpu: bool) -> None:
         rt.engines.append(create_engine_actor(engine_cfg, index, **rt.pools.engine_placement(index)))
 
 
+def start_rollout_engines(rt: Runtime, hf_dir: str, on_gpu: bool) -> None:
+    """Engines up, profiled, their KV cache checked and (with sleep mode) asleep: call before the actor
+    allocates anything on the GPUs they share (see the module docstring)."""
+    _start_engines(rt, hf_dir, on_gpu)
+    ready_engines(rt, on_gpu)
+
+
+def ready_engines(rt: Runtime, on_gpu: bool) -> None:
+    """Wait for the started engines, check their KV caches against the plan, and put them to sleep when
+    ``rollout.enable_sleep_mode`` is on."""
+    import ray
+
+    from megatron_arpo.rollout.kv_cache import check_kv_caches
+    from megatron_arpo.trainer.phases import sleep_engines
+
+    _wait_for_engines(rt)
+    rt.phases.note("engines ready")
+    infos = ray.get([e.kv_cache_info.remote() for e in rt.engines], timeout=rt.cfg.trainer.timeouts.startup_s)
+    check_kv_caches(infos, rt.cfg.rollout, on_gpu)
+    rt.phases.note("KV caches checked")
+    sleep_engines(rt)
+
+
 def _wait_for_engines(rt: Runtime) -> None:
     import ray
     from ray.exceptions import GetTimeoutError, RayActorError
@@ -324,6 +349,7 @@ def start_runtime(cfg: Any, resume: str, replay_dir: Optional[str] = None) -> Ru
     from megatron_arpo.rollout.scheduler import RolloutOptions, RolloutScheduler
     from megatron_arpo.weight_sync.protocol import choose_transport
     from megatron_arpo.trainer import checkpointing
+    from megatron_arpo.trainer.phases import PhaseState, switch_phase
 
     cfg = with_absolute_paths(cfg)
     rt = Runtime(cfg=cfg, run_dir=cfg.run_dir)
@@ -359,27 +385,26 @@ def start_runtime(cfg: Any, resume: str, replay_dir: Optional[str] = None) -> Ru
         rt.conn = connect_ray(cfg)
         on_gpu = cfg.launcher.gpus_per_node > 0
         rt.pools = ResourcePools.create(_placement_plan(cfg), timeout=cfg.trainer.timeouts.startup_s)
+        # A replay has no engine to share the devices with: nothing sleeps or offloads.
+        rt.phases = PhaseState.from_config(cfg) if rt.replay is None else PhaseState(sleep_level=None, offload=False)
         if rt.replay is None:
-            _start_engines(rt, hf_dir, on_gpu)  # engines start while the Megatron ranks do
+            start_rollout_engines(rt, hf_dir, on_gpu)  # before the actor allocates anything
         optimizer_steps = (schedule_steps * max(cfg.trainer.train_batch_size // cfg.actor.mini_batch_size, 1)
                            * cfg.actor.ppo_epochs)
         rt.actor = ActorGroup(cfg, role="policy", hf_dir=hf_dir,
                               load_dir=str(rt.resume_from) if rt.resume_from else None,
                               total_steps=optimizer_steps, pools=rt.pools)
+        rt.phases.note("actor ready" + (f" (resumed from {rt.resume_from.name})" if rt.resume_from else ""))
         record_placement(cfg, rt.actor)
         if cfg.algorithm.use_reference:
             rt.reference = ActorGroup(cfg, role="reference", hf_dir=hf_dir, pools=rt.pools)
+            rt.phases.note("reference ready")
         if rt.replay is None:
-            _wait_for_engines(rt)
             rt.group = RolloutGroup(rt.engines)
             rt.scheduler = RolloutScheduler(rt.group, rt.tools, rt.protocol, rt.options)
 
         if rt.resume_from is not None:
             checkpointing.restore_driver_state(rt, rt.actor.init_state or {})
-        from megatron_arpo.trainer.phases import PhaseState, switch_phase
-
-        # A replay has no engine to share the devices with: nothing sleeps or offloads.
-        rt.phases = PhaseState.from_config(cfg) if rt.replay is None else PhaseState(sleep_level=None, offload=False)
         # Resumed: the engines started from the HF checkpoint, not the resumed weights (the switch syncs).
         rt.phases.weights_stale = rt.resume_from is not None
         switch_phase(rt, "rollout")  # and with actor.offload the actor's state leaves before the first rollout

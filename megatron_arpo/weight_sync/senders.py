@@ -10,9 +10,12 @@ metadata (names, dtypes, shapes, stage, the verify sample's checksums) and moves
   forms, so no other process can take the port in between.
 - `NcclSender` (separate GPUs): rank 0 of vLLM's trainer<->worker NCCL group (``nccl_common.trainer_init``);
   the packed bucket is broadcast in the chunks vLLM's packed consumer expects (`packed_chunks`).
-- `IpcSender` (colocated GPUs): every actor rank packs the bucket into one reusable CUDA-IPC buffer on its
-  GPU; the handles of all ranks are all-gathered once per sync, and rank 0 ships them with each bucket
-  (vLLM's packed IPC protocol); all ranks keep the buffer until the engines have copied the bucket.
+- `IpcSender` (colocated GPUs): every actor rank packs the bucket into its one persistent CUDA-IPC buffer
+  (`megatron_arpo.actor.sync_sender`); the handles of all ranks are all-gathered once per sync, and rank 0
+  ships them with each bucket (vLLM's packed IPC protocol). Two barriers over the sender group bracket
+  every bucket: no engine is told to read bucket k before every rank finished packing it (an engine
+  worker reads the buffer of its own GPU, which another rank packs), and no rank packs bucket k+1 over
+  k before the engines have cloned it.
 
 A bucket is freed as soon as its bytes left (the transfer and the engines' loads of bucket k overlap the
 packing of k+1; both are waited for before the next bucket goes out, so a sender holds about two
@@ -264,11 +267,15 @@ class IpcSender(StageSender):
         self._handles: Optional[dict] = None
 
     def share(self, buffer: Any) -> None:
-        """Export this rank's buffer and all-gather every rank's handle (once per sync: the buffer is reused)."""
+        """Export this rank's buffer and all-gather every rank's handle, once per sync: the engines release
+        their mapping at the end of each update (vLLM pairs one export with one import and release)."""
         import torch
         import torch.distributed as dist
         from torch.multiprocessing.reductions import reduce_tensor
 
+        # The previous sync's exports are released by now (the engines finished that update): collect them
+        # here rather than at the end of a sync, where the engines still hold the mapping.
+        torch.cuda.ipc_collect()
         uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
         mine = {uuid: reduce_tensor(buffer)[1]}
         gathered = [None] * dist.get_world_size(self.group)
@@ -287,7 +294,9 @@ class IpcSender(StageSender):
 
         if self._handles is None:
             raise RuntimeError("IpcSender.share(buffer) must run before the first bucket of a sync")
-        torch.cuda.current_stream().synchronize()  # the packed bytes are in the buffer before anyone maps it
+        torch.cuda.current_stream().synchronize()  # this rank's packed bytes are in its buffer
+        # ... and every other rank's in theirs: the engines read all of them once rank 0 ships the bucket.
+        dist.barrier(group=self.group)
         if self.is_shipper:
             info = {**info, "ipc_handles": self._handles, "tensor_sizes": layout.sizes}
             futures = [e.call("update_weights", info) for e in self.engines]
@@ -296,11 +305,8 @@ class IpcSender(StageSender):
         dist.barrier(group=self.group)
 
     def end(self) -> dict:
-        import torch
-
         report = super().end()
         self._handles = None
-        torch.cuda.ipc_collect()
         return report if self.is_shipper else {}
 
 

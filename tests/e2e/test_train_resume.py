@@ -2,8 +2,12 @@
 
 1. A run is killed with SIGKILL (its whole process group: driver, its private local Ray, actors, engine)
    once checkpoint step-1 is complete and step 2 has started.
-2. It is restarted with ``--resume auto``: it continues at the step after the newest complete
-   checkpoint, with the data order of an uninterrupted run, and no step appears twice in metrics.jsonl.
+2. It is restarted with ``--resume auto``, this time with vLLM's sleep mode and the actor's offload on
+   (the colocated variant whose resume must not lose the KV cache to the actor's optimizer state): the
+   engine is ready, its KV cache checked and asleep before the actor loads the checkpoint (optimizer
+   state included), the first switch wakes it and syncs; it continues at the step after the newest
+   complete checkpoint, with the data order of an uninterrupted run, and no step appears twice in
+   metrics.jsonl.
 3. During that second run a SIGUSR1 (the launcher's preemption notice) makes it checkpoint at the end of
    its step and exit with the preemption code (launcher.preempt_exit_code, 42).
 4. A third run loses its vLLM engine (SIGKILL of the engine actor's process) mid-training: the trainer
@@ -90,10 +94,12 @@ def test_kill9_resume_and_sigusr1_preemption(tmp_path):
     killed_at = latest_checkpoint(ckpts)
     resumed_from = int(killed_at.name.split("-")[1])
     assert resumed_from >= 1 and not (ckpts / f"step-{TOTAL_STEPS}").exists()
+    assert json.loads((killed_at / "state.json").read_text())["has_optimizer"]
 
-    # 2. Restart with --resume auto; 3. preempt it with SIGUSR1 once it has logged a step of its own.
+    # 2. Restart with --resume auto (sleep + offload); 3. preempt it with SIGUSR1 once it logged a step of its own.
     log2 = tmp_path / "run2.log"
-    second = start(cmd, env, log2)
+    second = start(train_command(str(tiny_checkpoint("tiny-qwen3")), data, run_dir, *OVERRIDES,
+                                 "rollout.enable_sleep_mode=true", "actor.offload=true", resume="auto"), env, log2)
     try:
         wait_for(lambda: any(r["step"] == resumed_from + 1 for r in read_rows(run_dir)), 600, second, log2,
                  f"the resumed run to finish step {resumed_from + 1}")
@@ -107,6 +113,13 @@ def test_kill9_resume_and_sigusr1_preemption(tmp_path):
     assert code == PREEMPT_EXIT_CODE, log_tail(log2)
     assert f"resumed at step {resumed_from} of {TOTAL_STEPS}" in text
     assert "received SIGUSR1" in text
+    # The start-up order as the phase controller logged it: the engine first, then the actor's state.
+    order = ["phase: engines ready", "start-up: engine 0: KV cache 1.00 GiB per worker", "phase: KV caches checked",
+             "phase: engines asleep (level 2)", f"phase: actor ready (resumed from step-{resumed_from})",
+             "phase: actor offloaded", "phase: engines woke their weights", "phase: weights synced",
+             "phase: engines woke their KV cache"]
+    at = [text.find(line) for line in order]
+    assert -1 not in at and at == sorted(at), dict(zip(order, at))
 
     rows = read_rows(run_dir)
     steps = [r["step"] for r in rows]

@@ -14,7 +14,12 @@ moves its optimizer state (bitwise restore: tests/dist/test_actor_offload.py). A
   only then the KV cache wakes; the engine then generates with the updated weights
   (its log-probs are the actor's);
 - both switches are idempotent; with both options off the switch to ``train`` makes no call and the
-  switch to ``rollout`` is the sync alone.
+  switch to ``rollout`` is the sync alone;
+- start-up (``runtime.ready_engines``): the engine is waited for, its KV cache read (blocks x block
+  size x bytes per token: VLLM_CPU_KVCACHE_SPACE to within one block) and checked against the plan (a
+  cache smaller than rollout.max_num_seqs x max_model_len is refused, naming the numbers and the fix),
+  and it sleeps, all before the actor's turn; the first switch to ``rollout`` then wakes it, syncs the
+  weights level 2 dropped, and the engine generates what the actor computes.
 """
 
 from __future__ import annotations
@@ -228,4 +233,62 @@ def test_without_sleep_and_offload_the_switch_is_the_sync_alone(parts):
         with pytest.raises(ValueError, match=r"unknown phase 'update'; allowed: \('rollout', 'train'\)"):
             switch_phase(rt, "update")
     finally:
+        rt.loop.close()
+
+
+def test_the_engine_reports_the_kv_cache_it_got_and_a_smaller_one_than_planned_is_refused(parts):
+    import dataclasses
+
+    from megatron_arpo.rollout.kv_cache import KvCacheTooSmall, check_kv_caches
+
+    cfg, engine, _, _ = parts
+    info = ray.get(engine.kv_cache_info.remote(), timeout=60)
+    assert info["bytes_per_token"] == 2 * 2 * 2 * 64 * 4  # K and V x 2 layers x 2 KV heads x head_dim 64, fp32
+    assert info["tokens"] == info["blocks"] * info["block_size"] and info["block_size"] == 32
+    space = cfg.rollout.cpu_kv_cache_gib * 2**30  # VLLM_CPU_KVCACHE_SPACE: whole blocks of it
+    assert space - info["block_size"] * info["bytes_per_token"] < info["bytes"] <= space
+    fits = info["tokens"] // info["max_model_len"]
+    lines = check_kv_caches([info], dataclasses.replace(cfg.rollout, max_num_seqs=fits), on_gpu=False)
+    assert lines == [f"engine 0: KV cache 1.00 GiB per worker ({info['tokens']:,} tokens in {info['blocks']:,} blocks "
+                     f"of 32); the plan needs {fits * 256 * 2048 / 2**30:.2f} GiB ({fits} sequences x 256 tokens = "
+                     f"{fits * 256:,})"]
+    with pytest.raises(KvCacheTooSmall) as err:
+        check_kv_caches([info], dataclasses.replace(cfg.rollout, max_num_seqs=fits + 1), on_gpu=False)
+    assert str(err.value) == (
+        f"vLLM engine 0 got a KV cache of 1.00 GiB per worker ({info['tokens']:,} tokens), smaller than the plan's "
+        f"{(fits + 1) * 256 * 2048 / 2**30:.2f} GiB ({fits + 1} sequences x max_model_len 256 = {(fits + 1) * 256:,} "
+        f"tokens); raise rollout.cpu_kv_cache_gib, or lower rollout.max_num_seqs or max_model_len")
+    with pytest.raises(KvCacheTooSmall, match=r"raise rollout.gpu_memory_utilization or set rollout.kv_cache_gib"):
+        check_kv_caches([info], dataclasses.replace(cfg.rollout, max_num_seqs=fits + 1), on_gpu=True)
+
+
+def test_at_start_up_the_engine_is_ready_checked_and_asleep_before_the_actor_then_woken_and_synced(parts):
+    """The start-up path of a colocated run with sleep + offload, on the real engine and actor rank."""
+    from megatron_arpo.trainer.phases import switch_phase
+    from megatron_arpo.trainer.runtime import ready_engines
+
+    cfg, engine, group, run_dir = parts
+    log: list = []
+    rt = make_runtime(cfg, engine, group, run_dir, log)
+    try:
+        ready_engines(rt, on_gpu=False)
+        assert names(log) == ["engine.health", "engine.kv_cache_info", "engine.sleep"]
+        assert rt.phases.events == ["engines ready", "KV caches checked", "engines asleep (level 2)"]
+        assert ray.get(engine.health.remote(), timeout=60)["asleep"] == ["kv_cache", "weights"]
+        rt.phases.note("actor ready")  # start_runtime builds the ActorGroup here (the fixture's, already built)
+        log.clear()
+        switch_phase(rt, "rollout")  # start_runtime's first switch
+        assert names(log)[:3] == ["actor.offload_state", "engine.wake_up", "actor.sync_weights"], names(log)
+        assert names(log)[-1] == "engine.wake_up" and log[-1][1] == (["kv_cache"],)
+        assert rt.phases.events == ["engines ready", "KV caches checked", "engines asleep (level 2)", "actor ready",
+                                    "actor offloaded", "engines woke their weights", "weights synced",
+                                    "engines woke their KV cache"]
+        out = generate(rt, "after-start")  # level 2 dropped the weights: these are the synced ones
+        actor_lp = group.compute_log_probs({"input_ids": [PROMPT + out.token_ids]})["logprobs"][0]
+        assert actor_lp[len(PROMPT):].tolist() == pytest.approx(out.logprobs, abs=1e-3)
+    finally:
+        switch_phase(rt, "train")
+        rt.phases.offload = False
+        rt.phases.sleep_level = 1
+        switch_phase(rt, "rollout")
         rt.loop.close()

@@ -150,11 +150,13 @@ def test_colocated_sums_actor_and_vllm_reservation_unless_sleep_and_offload():
     plan = make_plan(p, suggest=False)
     reserved = 0.75 * GPU_MEMORY_GIB["h100-80g"]
     assert plan.rollout_reserved_gib == pytest.approx(reserved)
-    assert plan.colocated_peak_gib == pytest.approx(plan.actor_peak_gib + reserved)
+    buffer = plan.sync_gib["buffer"]  # the actor rank's IPC buffer stays between syncs
+    assert buffer == pytest.approx(152064 * 5120 * 2 / GiB)
+    assert plan.colocated_peak_gib == pytest.approx(plan.actor_peak_gib + reserved + buffer)
     assert plan.fits_actor and plan.fits_rollout and not plan.fits  # each alone fits, together they do not
     assert "actor peak + vLLM reservation on every GPU" in format_plan(plan)
     swapped = make_plan(dataclasses.replace(p, sleep_offload=True), suggest=False)
-    assert swapped.colocated_peak_gib == pytest.approx(reserved + swapped.actor_gib["params"])
+    assert swapped.colocated_peak_gib == pytest.approx(reserved + swapped.actor_gib["params"] + buffer)
     assert swapped.fits
     separate = make_plan(dataclasses.replace(p, placement="separate"), suggest=False)
     assert separate.fits
@@ -250,11 +252,80 @@ def test_a_colocated_32b_recipe_with_a_large_kv_cache_fits_only_with_sleep_and_o
     for switches in ((False, False), (True, False), (False, True)):
         plan = plans[switches]
         assert plan.fits_actor and plan.fits_rollout and not plan.fits, switches
-        assert plan.colocated_peak_gib == pytest.approx(plan.actor_peak_gib + reserved)
+        assert plan.colocated_peak_gib == pytest.approx(plan.actor_peak_gib + reserved + plan.sync_gib["buffer"])
     both = plans[True, True]
     assert both.fits and both.inputs["sleep_offload"]
-    assert both.colocated_peak_gib == pytest.approx(max(both.actor_peak_gib, reserved + both.actor_gib["params"]))
+    assert both.colocated_peak_gib == pytest.approx(max(both.actor_peak_gib, reserved + both.actor_gib["params"])
+                                                    + both.sync_gib["buffer"])
     assert "phases swap (vLLM sleep + actor offload)" in format_plan(both)
     # The recipe as shipped (no switches) fits on its own, with the smaller reservation.
     assert plan_from_config(yaml.safe_load((Path(__file__).resolve().parents[2] / "configs" /
                                             f"{recipe}.yaml").read_text())).fits
+
+
+@pytest.mark.parametrize("name", ["qwq-32b", "qwen3-32b", "tiny-qwen3", "tiny-qwq", "qwen2.5-7b-instruct"])
+def test_the_sync_buffer_is_the_largest_bucket_the_sender_packs(name):
+    """The planner's arithmetic against the sender's own bucket plan (megatron_arpo.actor.hf_live), tied
+    embeddings sending their lm_head copy in the embedding's bucket."""
+    import torch
+
+    from launchers.planner import largest_sync_bucket
+    from megatron_arpo.actor.hf_live import max_bucket_bytes
+    from megatron_arpo.actor.sync_sender import TIED_HEAD_ALIASES
+
+    cfg = load_model_config(name)
+    aliases = dict(TIED_HEAD_ALIASES) if cfg.tie_word_embeddings else {}
+    for pp in (1, 2):
+        for mib in (512, 64, 1):
+            assert largest_sync_bucket(cfg, pp, mib * 2**20) == max_bucket_bytes(cfg, pp, torch.bfloat16, mib * 2**20,
+                                                                                aliases), (pp, mib)
+
+
+def test_the_sync_phase_counts_buffer_clone_nccl_and_fragmentation_on_their_own_lines():
+    from launchers.planner import NCCL_COMMUNICATOR_GIB, sync_limit_gib
+
+    cfg = load_model_config("qwq-32b")
+    p = PlanInput(model=cfg, nodes=4, gpus_per_node=8, tp=8, pp=2, micro_batch_tokens=20480, recompute="full",
+                  sequence_parallel=True, engine_tp=4, max_model_len=10192, concurrency=32,
+                  gpu_memory_utilization=0.47)
+    plan = make_plan(p, suggest=False)
+    g = plan.sync_gib
+    embedding = 152064 * 5120 * 2 / GiB  # QwQ's largest HF tensor (embedding, and the LM head): 1.45 GiB
+    assert g["buffer"] == pytest.approx(embedding) and g["vllm_clone"] == pytest.approx(embedding)
+    # colocated, ipc: the actor rank's TP, DP and PP groups and the sender group; the engine worker's TP group
+    assert g["nccl"] == pytest.approx(5 * NCCL_COMMUNICATOR_GIB)
+    # no sleep: the rollout phase's holdings, the IPC buffer on its own line
+    assert g["held"] + g["buffer"] == pytest.approx(plan.colocated_peak_gib)
+    rest = g["held"] + g["buffer"] + g["vllm_clone"] + g["nccl"]
+    assert g["fragmentation"] == pytest.approx(0.05 * rest) and g["total"] == pytest.approx(1.05 * rest)
+    assert plan.sync_peak_gib == g["total"] and plan.fits_sync and plan.fits
+    assert plan.sync_peak_gib <= sync_limit_gib(p) == pytest.approx(GPU_MEMORY_GIB["h100-80g"] - 2.0)
+    text = format_plan(plan)
+    for line in ("weight sync (ipc, buckets of 512 MiB) on one GPU:", "  sync buffer (largest bucket): 1.45 GiB",
+                 "  vLLM's clone of a bucket: 1.45 GiB", "  NCCL communicators: 1.25 GiB",
+                 f"  fragmentation margin (5%): {g['fragmentation']:.1f} GiB"):
+        assert line in text.splitlines(), text
+    # Sleep + offload: the actor keeps its weights, vLLM has its weights back and its KV cache still asleep.
+    swapped = make_plan(dataclasses.replace(p, sleep_offload=True), suggest=False)
+    assert swapped.sync_gib["held"] == pytest.approx(swapped.actor_gib["params"] + swapped.rollout_gib["weights"])
+    # Smaller buckets do not shrink it: the embedding is one tensor.
+    assert make_plan(dataclasses.replace(p, sync_bucket_mb=64), suggest=False).sync_gib["buffer"] == g["buffer"]
+    # Separate pools (nccl): the engine GPU receives a bucket and clones it, beside vLLM's reservation.
+    separate = make_plan(dataclasses.replace(p, placement="separate"), suggest=False)
+    assert "weight sync (nccl" in format_plan(separate)
+    s = separate.sync_gib
+    assert (s["held"], s["buffer"], s["vllm_clone"]) == pytest.approx((separate.rollout_reserved_gib, embedding,
+                                                                        embedding))
+    assert s["nccl"] == pytest.approx(2 * NCCL_COMMUNICATOR_GIB)  # engine TP + the weight-transfer group
+    # A sync that does not fit makes the plan not fit, with its own verdict.
+    tight = make_plan(dataclasses.replace(p, fragmentation=0.2), suggest=False)
+    assert not tight.fits_sync and not tight.fits and tight.fits_actor and tight.fits_rollout
+    assert "DOES NOT FIT" in [line for line in format_plan(tight).splitlines() if "sync peak" in line][0]
+
+
+def test_plan_from_config_reads_the_sync_settings():
+    raw = {"model": {"config": "qwq-32b"}, "actor": {"tensor_parallel": 8, "pipeline_parallel": 2},
+           "rollout": {"tensor_parallel": 4, "sync_bucket_mb": 64, "sync_transport": "nccl"},
+           "trainer": {"placement": "separate"}, "launcher": {"nodes": 4, "gpus_per_node": 8}}
+    plan = plan_from_config(raw)
+    assert (plan.inputs["sync_bucket_mb"], plan.inputs["sync_transport"]) == (64, "nccl")
