@@ -242,7 +242,12 @@ def test_engine_starts_after_llvmlite_was_loaded(tmp_path):
         from megatron_arpo.rollout.engine import EngineConfig, VllmEngine
         engine = VllmEngine(EngineConfig(model={str(tiny_checkpoint("tiny-qwen3"))!r}, max_model_len=256,
                                          enforce_eager=True))
-        print("ENGINE-OK")
+        print("ENGINE-OK", flush=True)
+        asyncio.run(engine.shutdown())  # the engine core and its worker are child processes
     """)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    try:
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired as exc:
+        tail = lambda b: (b or b"").decode(errors="replace")[-3000:]  # noqa: E731
+        pytest.fail(f"engine start timed out\nstdout: {tail(exc.stdout)}\nstderr: {tail(exc.stderr)}")
     assert "ENGINE-OK" in out.stdout, out.stderr[-3000:]
