@@ -42,7 +42,7 @@ def _env() -> dict[str, str]:
     env.pop("RAY_ADDRESS", None)
     env.update({"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "RAY_AUTH_MODE": "disabled",
                 "RAY_USAGE_STATS_ENABLED": "0", "WANDB_MODE": "disabled", "GLOO_SOCKET_IFNAME": "lo",
-                "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"})
+                "TOKENIZERS_PARALLELISM": "false"})
     return env
 
 

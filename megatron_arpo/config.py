@@ -174,6 +174,8 @@ def _coerce(value: Any, tp: Any, path: str, errors: list[str]) -> Any:
     if origin is Literal:
         if isinstance(value, bool) and str(value).lower() in args:
             return str(value).lower()  # YAML reads `use_te: true` as a bool
+        if {"true", "false"} <= set(args) and str(value).strip().lower() in _TRUE_STRINGS | _FALSE_STRINGS:
+            return "true" if str(value).strip().lower() in _TRUE_STRINGS else "false"  # yes/no/1/0 as for a bool
         if value in args:
             return value
         close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)

@@ -115,7 +115,6 @@ class Demo:
         env.pop("RAY_ADDRESS", None)  # the demo starts (and stops) its own local Ray
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{max(1, round(self.cfg.rollout.cpu_kv_cache_gib or 1))}")
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-        env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         env.setdefault("RAY_AUTH_MODE", "disabled")
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")

@@ -46,6 +46,16 @@ LAYOUT_KEYS = ("dp_rank", "tp_rank", "pp_rank", "is_last_stage")
 VERIFY_FRACTION = 0.25  # rollout.verify_sync: share of tensor names checksummed per sync (deterministic per sync)
 
 
+def verifies_sync(mode: str | bool, syncs_done: int) -> bool:
+    """``rollout.verify_sync`` for the next sync of this process: ``first`` checks the first one (of a run, or
+    of a resumed run's process), ``true`` every one, ``false`` none."""
+    if isinstance(mode, bool):
+        return mode
+    if mode not in ("first", "true", "false"):
+        raise ValueError(f"rollout.verify_sync={mode!r}; allowed: first, true, false")
+    return mode == "true" or (mode == "first" and syncs_done == 0)
+
+
 def mean_metrics(metrics: Sequence[Mapping[str, float]]) -> dict[str, float]:
     """Key-wise mean over replicas; keys missing on some replica are averaged over those that have them."""
     keys: list[str] = []
@@ -93,6 +103,7 @@ class ActorGroup:
         self.dp = self.world_size // (self.tp * self.pp)
         self.timeouts = cfg.trainer.timeouts
         self._sync = None
+        self._syncs_done = 0   # finished weight syncs of this process (rollout.verify_sync: first)
         if worker_cls is None:
             from megatron_arpo.actor.worker import MegatronActorWorker as worker_cls
         on_gpu = cfg.launcher.gpus_per_node > 0
@@ -197,8 +208,9 @@ class ActorGroup:
     def sync_weights(self, engines: Any, *, verify: Optional[bool] = None, timeout: Optional[float] = None) -> dict:
         """Send the current weights into ``engines`` (a RolloutGroup, actor handles or EngineRefs); the report.
 
-        ``verify`` (default ``rollout.verify_sync``) checksums a sample of the tensors on both sides. Raises
-        `WeightSyncError` (one line naming the engine) when an engine dies or fails, or a check fails.
+        ``verify`` (default: ``rollout.verify_sync``, see `verifies_sync`) checksums a sample of the tensors on
+        both sides. Raises `WeightSyncError` (one line naming the engine) when an engine dies or fails, or a check
+        fails; the engines then hold a partial update and refuse to generate until a sync completes.
         """
         from megatron_arpo.weight_sync import protocol as ws
 
@@ -207,7 +219,7 @@ class ActorGroup:
         refs = ws.engine_refs(engines)
         if self._sync is None or [e.target for e in self._sync.engines] != [e.target for e in refs]:
             self._open_sync(refs, timeout)
-        verify = r.verify_sync if verify is None else verify
+        verify = verifies_sync(r.verify_sync, self._syncs_done) if verify is None else verify
         sync_id = ws.next_sync_id()
         start = time.perf_counter()
         args = (sync_id, int(r.sync_bucket_mb * 2**20), VERIFY_FRACTION if verify else 0.0)
@@ -226,6 +238,8 @@ class ActorGroup:
                                   driver_bytes=sum(p for p, _ in moved))
         report["driver_weight_bytes"] = sum(t for _, t in moved)
         self._check_complete(report, engine_reports)
+        self._syncs_done += 1
+        report["verify"] = bool(verify)   # whether this sync ran the checksum checks
         logger.info("weight sync %d (%s): %d tensors in %d buckets (%.1f MB) to %d engines in %.2f s; %d verified "
                     "after load", sync_id, self._sync.transport, report["tensors"], report["buckets"],
                     report["bytes"] / 2**20, len(refs), report["seconds"], len(report["verified_after_load"]))

@@ -47,7 +47,10 @@ class RolloutSection:
     top_k: int = setting(-1, ge=-1, help="-1 disables")
     seed: int = setting(0, ge=0, help="sampling seed and the branch-draw RNG stream")
     scheduler: Literal["async", "barrier"] = setting("async", help="barrier = reference-style rounds (for benchmarks)")
-    verify_sync: bool = setting(False, help="checksum sampled tensors on both sides of every weight sync")
+    verify_sync: Literal["first", "true", "false"] = setting(
+        "first", help="checksum sampled tensors on both sides of a weight sync: first = the first sync of each "
+                      "process (a new run, or a resume), so a wrong transport stops the job at step 1; true = every "
+                      "sync; false = none")
     sync_bucket_mb: int = setting(512, ge=1, help="weight-sync bucket size")
     sync_transport: Literal["auto", "gloo", "nccl", "ipc"] = setting(
         "auto", help="weight-sync transport (actor ranks -> engines): auto = gloo on CPU, ipc colocated, nccl "

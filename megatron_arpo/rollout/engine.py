@@ -12,9 +12,13 @@ in flight, each advancing on its own, whether the engine runs in the caller's ev
 benchmark) or in a Ray async actor (``create_engine_actor``), whose concurrent method calls are coroutines
 on the actor's loop.
 
-All calls into vLLM run on one dedicated thread (``_engine_thread``): ``LLMEngine.step`` blocks for the
-duration of a forward pass and vLLM's in-process engine is not thread-safe, so steps, weight loads,
-cache resets and metric reads are serialised there while the event loop stays free for tool calls.
+vLLM runs as on a GPU, with its default V1 multiprocessing: the EngineCore (scheduler and workers) in a
+subprocess, ``LLMEngine`` in this process as its client. All calls into vLLM run on one dedicated thread
+(``_engine_thread``): ``LLMEngine.step`` blocks until the core returns a step's outputs and the client's
+input/output processing is not thread-safe, so steps, weight loads, cache resets and metric reads are
+serialised there while the event loop stays free for tool calls. Every call that crosses into the core is
+msgpack-encoded, so worker calls go by method name (``SyncWorkerExtension`` in
+`megatron_arpo.weight_sync.receivers`, vLLM's ``worker_extension_cls``) with plain-data arguments.
 
 Weights arrive through vLLM's weight-transfer API (megatron_arpo.weight_sync.protocol: the actor ranks
 send, the engines receive, the driver coordinates): ``init_weight_transfer_engine`` once, then per sync
@@ -62,6 +66,7 @@ from typing import Any, Optional, Sequence
 
 from megatron_arpo.rollout.config import RolloutSection
 from megatron_arpo.rollout.kv_cache import kv_cache_info
+from megatron_arpo.weight_sync.vllm_plugin import WORKER_EXTENSION
 
 logger = logging.getLogger(__name__)
 
@@ -164,15 +169,22 @@ class EngineConfig:
         return cls(**values)
 
 
-def engine_env(cfg: EngineConfig, on_cpu: bool = True) -> dict[str, str]:
-    """Environment variables an engine process needs (passed to Ray actors through runtime_env)."""
-    env: dict[str, str] = {}
-    if on_cpu:
-        # vLLM's CPU worker otherwise claims almost all free RAM for its KV cache.
-        env["VLLM_CPU_KVCACHE_SPACE"] = f"{cfg.cpu_kv_cache_gib:g}"
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        if cfg.cpu_omp_threads_bind is not None:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = cfg.cpu_omp_threads_bind
+def engine_env(cfg: EngineConfig) -> dict[str, str]:
+    """Environment variables an engine process needs (passed to Ray actors through runtime_env).
+
+    The same on CPU and GPU: vLLM's GPU platform ignores the ``VLLM_CPU_*`` variables.
+    """
+    # vLLM's CPU worker otherwise claims almost all free RAM for its KV cache.
+    env = {"VLLM_CPU_KVCACHE_SPACE": f"{cfg.cpu_kv_cache_gib:g}"}
+    if cfg.cpu_omp_threads_bind is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cfg.cpu_omp_threads_bind
+    if cfg.weight_transfer == "ipc":
+        # The one place this flag is set. vLLM runs its engine core in a subprocess and msgpack-encodes every
+        # update_weights payload; a CUDA-IPC bucket's handles are torch.multiprocessing.reduce_tensor tuples
+        # (a rebuild function, torch.Tensor, a storage class, a torch.dtype), which vLLM's encoder and its IPC
+        # receiver accept only with insecure (pickle) serialisation on. The gloo and nccl payloads are plain
+        # data and every collective_rpc passes a method name, so no other engine needs it.
+        env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     return env
 
 
@@ -262,14 +274,18 @@ class VllmEngine:
             cfg = EngineConfig(**cfg)
         self.cfg = cfg
         self.engine_index = engine_index
-        for key, value in engine_env(cfg, on_cpu=not _cuda_available()).items():
+        for key, value in engine_env(cfg).items():
             if os.environ.get(key) is None:
                 os.environ[key] = value
         from vllm import LLM
 
         guard_llvmlite_for_vllm()
+        if "worker_extension_cls" in cfg.extra:
+            raise ValueError(f"engine {engine_index}: extra sets worker_extension_cls={cfg.extra['worker_extension_cls']!r}; "
+                             f"the engine needs its own ({WORKER_EXTENSION}, the methods it calls by name): drop it")
         kwargs: dict[str, Any] = dict(
             model=cfg.model,
+            worker_extension_cls=WORKER_EXTENSION,
             tensor_parallel_size=cfg.tensor_parallel_size,
             dtype=cfg.dtype,
             seed=cfg.seed,
@@ -287,6 +303,8 @@ class VllmEngine:
             else:
                 kwargs[key] = value
         if _cuda_available():
+            # vLLM's CPU worker reads gpu_memory_utilization as a share of host RAM that must be free (the KV
+            # cache comes from VLLM_CPU_KVCACHE_SPACE), and its CPU platform refuses enable_sleep_mode.
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
             kwargs["enable_sleep_mode"] = cfg.enable_sleep_mode
             if cfg.kv_cache_gib is not None:  # a fixed size, whatever the device's free memory at start
@@ -586,10 +604,8 @@ class VllmEngine:
         ``loaded``: distinct tensors every worker loaded; ``verified``: names checked after the load on every
         worker that holds them whole (a name sharded across TP workers is checked by none).
         """
-        from megatron_arpo.weight_sync.receivers import worker_sync_report
-
         await self._on_engine_thread(self._llm.finish_weight_update)
-        reports = await self._on_engine_thread(lambda: self._llm.collective_rpc(worker_sync_report))
+        reports = await self._on_engine_thread(self._llm.collective_rpc, "arpo_sync_report")
         self._updating = None
         return {"engine_index": self.engine_index, "workers": len(reports),
                 "loaded": min(r["loaded"] for r in reports), "duplicates": max(r["duplicates"] for r in reports),
@@ -613,10 +629,8 @@ class VllmEngine:
         With tensor parallelism every worker answers for its shard; only names every worker holds
         whole are reported (others None).
         """
-        from megatron_arpo.weight_sync.receivers import worker_param_checksums
-
         per_worker = await self._on_engine_thread(
-            lambda: self._llm.collective_rpc(worker_param_checksums, args=(dict(expected_shapes),)))
+            lambda: self._llm.collective_rpc("arpo_param_checksums", args=(dict(expected_shapes),)))
         merged = dict(per_worker[0])
         for other in per_worker[1:]:
             for name, value in other.items():
@@ -663,7 +677,7 @@ def engine_actor_options(cfg: EngineConfig, *, on_gpu: bool, num_cpus: float = 1
     (``VLLM_RAY_PER_WORKER_GPUS``), in the placement group the actor runs in; the actor itself takes no
     GPU. CPU: no GPUs; several workers run under the ``mp`` executor.
     """
-    env = engine_env(cfg, on_cpu=not on_gpu)
+    env = engine_env(cfg)
     num_gpus = gpu_share if on_gpu else 0.0
     if executor_backend(cfg.tensor_parallel_size, on_gpu) == "ray":
         if len(bundle_indices) != cfg.tensor_parallel_size:

@@ -140,7 +140,7 @@ def sync_weights(rt: Any) -> dict[str, float]:
 
     if rt.group is None:  # replaying records: no engine to send to
         return {}
-    return sync_metrics(rt.actor.sync_weights(rt.group, verify=rt.cfg.rollout.verify_sync))
+    return sync_metrics(rt.actor.sync_weights(rt.group))  # verify: rollout.verify_sync (first sync by default)
 
 
 def validate(rt: Any, step: int) -> dict[str, float]:

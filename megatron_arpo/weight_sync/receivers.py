@@ -13,7 +13,7 @@ drives it through the worker's four phases:
 - ``update_weights(update_info)``: one bucket (names, dtypes, shapes, the pipeline ``stage`` it comes
   from, and the verify sample's checksums). Received, checked, handed to ``model.load_weights``.
 - ``finish_weight_update()``: ``finalize_layerwise_reload``; then the verify sample is compared with the
-  loaded parameters (`worker_sync_report` reads the outcome).
+  loaded parameters (`SyncWorkerExtension.arpo_sync_report` reads the outcome).
 
 Three engines, one per transport:
 
@@ -51,7 +51,7 @@ from megatron_arpo.weight_sync.protocol import (BucketLayout, BufferPool, Weight
 logger = logging.getLogger(__name__)
 
 __all__ = ["GlooWeightTransferEngine", "StagedNCCLWeightTransferEngine", "VerifiedIPCWeightTransferEngine",
-           "param_checksums", "worker_rank", "worker_sync_report"]
+           "SyncWorkerExtension", "param_checksums", "worker_rank"]
 
 
 def worker_rank(parallel_config: Any) -> int:
@@ -310,13 +310,20 @@ class VerifiedIPCWeightTransferEngine(_LoadChecks, IPCWeightTransferEngine):
             super().receive_weights(update_info)
 
 
-# ------------------------------------------------------------------------------ collective_rpc helpers
-def worker_sync_report(worker: Any) -> Optional[dict]:
-    """Runs in a vLLM worker: the last finished update's report (loaded names, verified names)."""
-    engine = getattr(worker, "weight_transfer_engine", None)
-    return None if engine is None else getattr(engine, "last_report", None)
+# ------------------------------------------------------------------------------ collective_rpc methods
+class SyncWorkerExtension:
+    """Methods added to every vLLM worker (``worker_extension_cls``), called by name through ``collective_rpc``.
 
+    With vLLM's engine core in a subprocess, ``collective_rpc`` msgpack-encodes its arguments, and the encoder
+    refuses functions and classes: the engine passes these method names and plain data only.
+    """
 
-def worker_param_checksums(worker: Any, expected_shapes: dict[str, list[int]]) -> dict[str, Optional[dict]]:
-    """Runs in a vLLM worker: `param_checksums` of its model."""
-    return param_checksums(worker.model_runner.get_model(), expected_shapes)
+    def arpo_sync_report(self) -> Optional[dict]:
+        """The last finished update's report (loaded names, verified names); None before any."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        return None if engine is None else getattr(engine, "last_report", None)
+
+    def arpo_param_checksums(self, expected_shapes: dict[str, list[int]]) -> dict[str, Optional[dict]]:
+        """`param_checksums` of this worker's model."""
+        return param_checksums(self.model_runner.get_model(), expected_shapes)
+

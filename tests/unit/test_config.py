@@ -76,6 +76,18 @@ def test_dump_yaml_round_trips(tmp_path):
     assert load_config(path) == cfg
 
 
+def test_verify_sync_first_is_the_default_and_checks_the_first_sync_of_each_process():
+    """A wrong transport stops the job at its first sync (step 1, or the first after a resume)."""
+    from megatron_arpo.actor.group import verifies_sync
+
+    assert build_config(minimal()).rollout.verify_sync == "first"
+    assert [verifies_sync("first", done) for done in range(3)] == [True, False, False]
+    assert [verifies_sync("true", done) for done in range(3)] == [True, True, True]
+    assert [verifies_sync("false", done) for done in range(3)] == [False, False, False]
+    with pytest.raises(ValueError, match=r"rollout.verify_sync='always'; allowed: first, true, false"):
+        verifies_sync("always", 0)
+
+
 def test_null_parallelism_resolves_from_model_defaults():
     raw = minimal(model={"config": "qwen3-32b"}, launcher={"nodes": 4, "gpus_per_node": 8})
     cfg = build_config(raw)
@@ -91,9 +103,11 @@ def test_null_parallelism_resolves_from_model_defaults():
         ("actor.optimizer.lr=1e-6", lambda c: c.actor.optimizer.lr, 1e-6),
         ("actor.optimizer.lr=3", lambda c: c.actor.optimizer.lr, 3.0),
         ("rollout.temperature=0.7", lambda c: c.rollout.temperature, 0.7),
-        ("rollout.verify_sync=true", lambda c: c.rollout.verify_sync, True),
-        ("rollout.verify_sync=yes", lambda c: c.rollout.verify_sync, True),
-        ("rollout.verify_sync=1", lambda c: c.rollout.verify_sync, True),
+        ("rollout.verify_sync=true", lambda c: c.rollout.verify_sync, "true"),
+        ("rollout.verify_sync=yes", lambda c: c.rollout.verify_sync, "true"),
+        ("rollout.verify_sync=1", lambda c: c.rollout.verify_sync, "true"),
+        ("rollout.verify_sync=no", lambda c: c.rollout.verify_sync, "false"),
+        ("rollout.verify_sync=first", lambda c: c.rollout.verify_sync, "first"),
         ("data.shuffle=no", lambda c: c.data.shuffle, False),
         ("data.shuffle=False", lambda c: c.data.shuffle, False),
         ("data.shuffle=0", lambda c: c.data.shuffle, False),

@@ -119,3 +119,23 @@ def test_the_config_names_the_three_weight_transports():
     with pytest.raises(Exception, match="sync_transport") as err:
         config(rollout={"sync_transport": "object_store"})  # the driver no longer carries the weights
     assert "gloo" in str(err.value) and "nccl" in str(err.value)
+
+
+def test_a_sync_that_fails_verification_stops_before_the_next_rollout():
+    """The WeightSyncError leaves the phase switch (and so the train loop: nothing is saved or rolled out on
+    the half-loaded weights); the weights stay stale. Whether to verify is the group's (rollout.verify_sync)."""
+    from megatron_arpo.trainer import phases
+    from megatron_arpo.weight_sync.protocol import WeightSyncError
+
+    asked = []
+
+    class FailingActor:
+        def sync_weights(self, group, **kwargs):
+            asked.append(kwargs)
+            raise WeightSyncError("weight sync: engine 0: verify_sync: model.norm.weight differs ...")
+
+    rt = SimpleNamespace(cfg=config(), actor=FailingActor(), group=object(), engines=[],
+                         phases=phases.PhaseState(sleep_level=None, offload=False, phase="train", weights_stale=True))
+    with pytest.raises(WeightSyncError, match="verify_sync"):
+        phases.switch_phase(rt, "rollout")
+    assert rt.phases.weights_stale and rt.phases.phase == "train" and asked == [{}]
