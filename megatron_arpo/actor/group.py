@@ -38,6 +38,7 @@ import time
 from typing import Any, Mapping, Optional, Sequence
 
 from megatron_arpo.actor import packing
+from megatron_arpo.cluster.placement import refuse_split_groups
 from megatron_arpo.cluster.worker_group import WorkerGroup
 
 logger = logging.getLogger(__name__)
@@ -123,6 +124,7 @@ class ActorGroup:
             default_timeout=self.timeouts.update_s, **placement_kwargs)
         try:
             self._read_layout()
+            self._check_tp_groups_on_one_node(on_gpu)
             # optim_settings: the optimizer/LR schedule when it is not RL's (SFT: optimizer.settings_for_sft).
             extra = {} if optim_settings is None else {"optim_settings": optim_settings}
             self.init_state = self.workers.call_all("init_model", hf_dir=hf_dir, load_dir=load_dir,
@@ -145,6 +147,20 @@ class ActorGroup:
                 raise RuntimeError(f"ActorGroup: expected one last-stage TP-rank-0 rank for DP replica {dp_rank}, "
                                    f"found {owners}; layout {self.layout}")
             self.representatives.append(owners[0])
+
+    def _check_tp_groups_on_one_node(self, on_gpu: bool) -> None:
+        """Refuse (on GPU nodes; warn on CPU-only ones) a TP group whose ranks landed on several nodes, before
+        any checkpoint is loaded. The groups come from the ranks' own Megatron coordinates."""
+        groups: dict[tuple[int, int], list[int]] = {}
+        for rank, lay in enumerate(self.layout):
+            groups.setdefault((lay["dp_rank"], lay["pp_rank"]), []).append(rank)
+        nodes = self.workers.nodes()
+        refuse_split_groups(
+            [(f"actor ranks {ranks} (the TP group of DP rank {dp}, PP rank {pp}; actor.tensor_parallel = {self.tp})",
+              [nodes[r] for r in ranks]) for (dp, pp), ranks in sorted(groups.items())],
+            f"the ranks landed on nodes {[n[:8] for n in nodes]}",
+            f"give each node a multiple of {self.tp} free GPUs (launcher.gpus_per_node) or lower "
+            f"actor.tensor_parallel", strict=on_gpu)
 
     @property
     def placement(self) -> list:

@@ -7,6 +7,8 @@ ranks of ``megatron_arpo.actor.group.ActorGroup``) on Ray:
    GPU — with strategy ``PACK`` (fill a node first) or ``SPREAD``/``STRICT_*``. Or the caller passes a
    placement group it owns (a resource pool from ``megatron_arpo.cluster.placement``) and the bundle
    index of each rank; then the rank actors may take a fraction of a bundle (colocated time-slicing).
+   Without bundle indices, rank ``r`` takes the ``r``-th bundle in node order
+   (``megatron_arpo.cluster.placement.node_order``), so consecutive ranks share a node.
 2. **Actors.** Each rank is a ``_RankActor`` started with ``PlacementGroupSchedulingStrategy`` and a
    runtime_env carrying ``OMP_NUM_THREADS`` (from the CPUs per rank), ``GLOO_SOCKET_IFNAME`` /
    ``NCCL_SOCKET_IFNAME`` when the driver has them, and any extra env vars. The rank actor is the only
@@ -36,6 +38,8 @@ import socket
 import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
+
+from megatron_arpo.cluster.placement import node_order, read_bundle_nodes
 
 logger = logging.getLogger(__name__)
 
@@ -187,7 +191,7 @@ class WorkerGroup:
         self._actors: list[Any] = []
         self._owns_pg = placement_group is None
         self._pg = placement_group
-        self._bundle_indices = list(bundle_indices) if bundle_indices is not None else list(range(world_size))
+        self._bundle_indices = list(bundle_indices) if bundle_indices is not None else None
         self._broken: Optional[str] = None
         self._closed = False
         env_vars = default_env(num_cpus_per_rank)
@@ -216,6 +220,11 @@ class WorkerGroup:
                     f"({strategy}) could not be placed within {self.startup_timeout:.0f} s; the cluster has "
                     f"{ray.cluster_resources()} with {ray.available_resources()} free. Lower the world size or "
                     f"the CPUs per rank, or add nodes", group=self.name, method="placement_group", kind="startup")
+        if self._bundle_indices is None:
+            if not self._owns_pg:
+                ray.wait([self._pg.ready()], timeout=self.startup_timeout)
+            # Rank r takes the r-th bundle in node order, not bundle r: Ray may scramble a group's bundle order.
+            self._bundle_indices = node_order(read_bundle_nodes(self._pg))[:self.world_size]
         rank_actor = ray.remote(_RankActor)
         for rank in range(self.world_size):
             strategy_obj = PlacementGroupSchedulingStrategy(

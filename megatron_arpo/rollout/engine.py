@@ -64,6 +64,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Optional, Sequence
 
+from megatron_arpo.cluster.ray_compat import ENGINE_RAY_ENV, check_ray_version
 from megatron_arpo.rollout.config import RolloutSection
 from megatron_arpo.rollout.kv_cache import kv_cache_info
 from megatron_arpo.weight_sync.vllm_plugin import WORKER_EXTENSION
@@ -689,9 +690,8 @@ def engine_actor_options(cfg: EngineConfig, *, on_gpu: bool, num_cpus: float = 1
     return {"num_cpus": num_cpus, "num_gpus": num_gpus}, env
 
 
-def create_engine_actor(
+def engine_ray_options(
     cfg: EngineConfig,
-    engine_index: int = 0,
     *,
     num_cpus: float = 1,
     num_gpus: float = 0,
@@ -701,22 +701,17 @@ def create_engine_actor(
     env: Optional[dict[str, str]] = None,
     name: Optional[str] = None,
     max_concurrency: int = 1000,
-) -> Any:
-    """Start a `VllmEngine` as a Ray async actor; returns the actor handle.
-
-    ``num_gpus`` is the GPU share of each of the engine's workers (0 on CPU); `engine_actor_options`
-    turns it into the actor's resources and vLLM's executor settings. ``env`` adds to ``engine_env(cfg)``
-    (VLLM_CPU_KVCACHE_SPACE etc.) in the actor's runtime_env. With a ``placement_group`` the actor is
-    pinned to ``bundle_index`` (the first of ``bundle_indices``), and child tasks (vLLM's ``ray`` workers)
-    stay in the group. ``max_concurrency`` bounds the number of concurrently running coroutines
-    (= requests in flight) in the actor.
-    """
-    import ray
-
+) -> dict[str, Any]:
+    """The Ray ``.options()`` of an engine actor (see `create_engine_actor`); refuses a Ray below the floor."""
+    check_ray_version()
     resources, env_vars = engine_actor_options(cfg, on_gpu=num_gpus > 0, num_cpus=num_cpus, gpu_share=num_gpus,
                                                bundle_indices=bundle_indices or ([bundle_index] if bundle_index >= 0
                                                                                  else []))
     env_vars.update(env or {})
+    # Set last, so neither ``env`` nor a cluster-wide setting brings the blanking back: with rollout TP > 1 on
+    # GPU the engine actor holds no GPU, and a blanked CUDA_VISIBLE_DEVICES sends it down the CPU path
+    # (megatron_arpo/cluster/ray_compat.py).
+    env_vars.update(ENGINE_RAY_ENV)
     options: dict[str, Any] = dict(**resources, max_concurrency=max_concurrency, runtime_env={"env_vars": env_vars})
     if name is not None:
         options["name"] = name
@@ -727,5 +722,21 @@ def create_engine_actor(
             placement_group=placement_group, placement_group_bundle_index=bundle_index,
             placement_group_capture_child_tasks=True,
         )
+    return options
+
+
+def create_engine_actor(cfg: EngineConfig, engine_index: int = 0, **options: Any) -> Any:
+    """Start a `VllmEngine` as a Ray async actor; returns the actor handle.
+
+    ``options`` are `engine_ray_options`'s: ``num_gpus`` is the GPU share of each of the engine's workers
+    (0 on CPU), which `engine_actor_options` turns into the actor's resources and vLLM's executor settings;
+    ``env`` adds to ``engine_env(cfg)`` (VLLM_CPU_KVCACHE_SPACE etc.) in the actor's runtime_env. With a
+    ``placement_group`` the actor is pinned to ``bundle_index`` (the first of ``bundle_indices``;
+    ``ResourcePools.engine_placement`` gives them in node order), and child tasks (vLLM's ``ray`` workers)
+    stay in the group. ``max_concurrency`` bounds the number of concurrently running coroutines
+    (= requests in flight) in the actor.
+    """
+    import ray
+
     actor_cls = ray.remote(VllmEngine)
-    return actor_cls.options(**options).remote(dataclasses.asdict(cfg), engine_index)
+    return actor_cls.options(**engine_ray_options(cfg, **options)).remote(dataclasses.asdict(cfg), engine_index)
