@@ -112,6 +112,21 @@ def test_a_worker_group_in_its_own_spread_group_numbers_ranks_node_by_node(ray_t
         group.shutdown()
 
 
+def test_a_worker_group_given_a_scrambled_group_and_no_bundle_indices_numbers_ranks_node_by_node(ray_two_nodes):
+    node0, node1 = node_ids()
+    pg = interleaved_group(4)
+    try:
+        group = WorkerGroup(NodeWorker, 4, name="given-pg", placement_group=pg, num_cpus_per_rank=0.5,
+                            startup_timeout=120)
+        try:
+            assert group.nodes() == [node1, node1, node0, node0]  # bundle r would give node1, node0, node1, node0
+            assert [p.bundle_index for p in group.placement] == [0, 2, 1, 3]
+        finally:
+            group.shutdown()
+    finally:
+        remove_placement_group(pg)
+
+
 def test_a_tp_group_that_must_span_nodes_is_refused_with_the_gpu_setting(ray_two_nodes, caplog):
     node0, node1 = node_ids()
     cfg = cpu_config({"tensor_parallel": 2, "data_parallel": 1}, {"num_engines": 1})
