@@ -22,8 +22,9 @@ REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("megatron_arpo", "conversion", "launchers", "evaluation")
 MIN_SHARED = 5
 KNOWN_MIRRORS: dict[tuple[str, str], str] = {  # (class, class) -> why it is not folded yet
-    ("JudgeSection", "SearchToolSection"): "two different HTTP clients (the LLM judge, the search tool): each owns "
-                                           "its endpoint, key variable, timeout and concurrency; no setting is shared",
+    ("JudgeSection", "SearchToolSection"): "not a mirror: two unrelated HTTP clients (the eval judge, the web search "
+                                           "tool) share generic names (enabled, url, api_key_env, timeout_s, "
+                                           "max_concurrency: issue 30's per-tool limit)",
 }
 
 
