@@ -34,7 +34,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 from megatron_arpo.rollout.engine import EngineConfig, VllmEngine  # noqa: E402
 from megatron_arpo.rollout.group import RolloutGroup  # noqa: E402

