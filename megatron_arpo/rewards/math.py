@@ -36,8 +36,8 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
-from megatron_arpo.rewards.math_worker import verify_in_worker
-from megatron_arpo.rewards.text import as_gold_list, extract_answer, find_closing_brace
+from megatron_arpo.rewards.math_worker import verify_here, verify_in_worker
+from megatron_arpo.rewards.text import as_gold_list, extract_answer
 
 logger = logging.getLogger(__name__)
 
@@ -72,44 +72,6 @@ def _can_use_signals() -> bool:
     if not hasattr(signal, "setitimer"):
         return False
     return signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
-
-
-def _as_boxed(answer: str) -> str:
-    stripped = answer.strip()
-    # Only wrap when the braces balance; otherwise math-verify would mis-read the boxed span.
-    balanced = find_closing_brace("{" + stripped + "}", 0) == len(stripped) + 1
-    return f"\\boxed{{{stripped}}}" if balanced else stripped
-
-
-class _DropTimeoutDisabledWarning(logging.Filter):
-    """math-verify warns once that its timeout is off; here that is deliberate (no signals off the main thread)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "Timeout is disabled" not in record.getMessage()
-
-
-_warning_filter_installed = False
-
-
-def verify_here(prediction: str, gold: str, timeout_seconds: int) -> bool:
-    """math-verify in this process, its timeout enforced with signals: main thread, no other timer."""
-    return _verify(prediction, gold, timeout_seconds)
-
-
-def _verify(prediction: str, gold: str, native_timeout: int | None) -> bool:
-    global _warning_filter_installed
-    from math_verify import parse, verify  # heavy (sympy); imported on first use
-
-    if not _warning_filter_installed:
-        for name in ("math_verify.parser", "math_verify.grader"):
-            logging.getLogger(name).addFilter(_DropTimeoutDisabledWarning())
-        _warning_filter_installed = True
-
-    gold_parsed = parse(_as_boxed(gold), parsing_timeout=native_timeout)
-    pred_parsed = parse(_as_boxed(prediction), parsing_timeout=native_timeout)
-    if not gold_parsed or not pred_parsed:
-        return False
-    return bool(verify(gold_parsed, pred_parsed, timeout_seconds=native_timeout))
 
 
 def math_equal(prediction: str, gold: str, timeout_seconds: int = DEFAULT_TIMEOUT_SECONDS) -> bool:

@@ -21,6 +21,8 @@ import threading
 import time
 from pathlib import Path
 
+from megatron_arpo.rewards.text import find_closing_brace
+
 logger = logging.getLogger(__name__)
 
 GRACE_S = 2.0  # beyond math-verify's own timeout, before the child is killed
@@ -103,6 +105,44 @@ def _release(worker: VerifyWorker) -> None:
         _idle.append(worker)
 
 
+def _as_boxed(answer: str) -> str:
+    stripped = answer.strip()
+    # Only wrap when the braces balance; otherwise math-verify would mis-read the boxed span.
+    balanced = find_closing_brace("{" + stripped + "}", 0) == len(stripped) + 1
+    return f"\\boxed{{{stripped}}}" if balanced else stripped
+
+
+class _DropTimeoutDisabledWarning(logging.Filter):
+    """math-verify warns once that its timeout is off; here that is deliberate (no signals off the main thread)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Timeout is disabled" not in record.getMessage()
+
+
+_warning_filter_installed = False
+
+
+def verify_here(prediction: str, gold: str, timeout_seconds: int) -> bool:
+    """math-verify in this process, its timeout enforced with signals: main thread, no other timer."""
+    return _verify(prediction, gold, timeout_seconds)
+
+
+def _verify(prediction: str, gold: str, native_timeout: int | None) -> bool:
+    global _warning_filter_installed
+    from math_verify import parse, verify  # heavy (sympy); imported on first use
+
+    if not _warning_filter_installed:
+        for name in ("math_verify.parser", "math_verify.grader"):
+            logging.getLogger(name).addFilter(_DropTimeoutDisabledWarning())
+        _warning_filter_installed = True
+
+    gold_parsed = parse(_as_boxed(gold), parsing_timeout=native_timeout)
+    pred_parsed = parse(_as_boxed(prediction), parsing_timeout=native_timeout)
+    if not gold_parsed or not pred_parsed:
+        return False
+    return bool(verify(gold_parsed, pred_parsed, timeout_seconds=native_timeout))
+
+
 @atexit.register
 def _stop_workers() -> None:
     with _lock:
@@ -114,8 +154,6 @@ def _stop_workers() -> None:
 def _serve() -> None:
     # Here, in the child only: sympy and math-verify load before "ready", outside any call's timeout.
     import math_verify  # noqa: F401
-
-    from megatron_arpo.rewards.math import verify_here
 
     out = sys.stdout.buffer
     out.write(b'{"ready": true}\n')
