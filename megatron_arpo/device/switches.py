@@ -215,7 +215,7 @@ SWITCHES: tuple[Switch, ...] = (
         gpu="refused at start-up with the bundles per node and the fix",
         reason="on GPU a split TP group sends its collectives over the network instead of NVLink; the CPU tests put "
                "gloo TP groups on both local raylets on purpose (no NVLink to lose)",
-        gpu_test="tests/unit/test_node_placement.py and tests/integration/test_node_placement.py (bind(strict=True): "
+        gpu_test="tests/unit/test_node_placement_plan.py and tests/integration/test_node_placement.py (bind(strict=True): "
                  "the GPU refusal)",
     ),
     Switch(
