@@ -295,6 +295,9 @@ def _install_cuda_stubs(patches: _Patches, device: _DeviceState, num_devices: in
     from torch.cuda import nccl
 
     patches.set(nccl, "version", lambda: (2, 27, 3))  # logged by c10d for "nccl" groups
+    for name in ("get_rng_state", "set_rng_state", "manual_seed", "manual_seed_all", "get_rng_state_all",
+                 "set_rng_state_all", "seed", "seed_all", "initial_seed"):
+        patches.set(cuda.random, name, stubs[name])
     _install_ipc_export(patches)
 
 
@@ -317,9 +320,6 @@ def _install_ipc_export(patches: _Patches) -> None:
                  b"fake-ref-counter", 0, b"", False))
 
     patches.set(reductions, "reduce_tensor", reduce_tensor)
-    for name in ("get_rng_state", "set_rng_state", "manual_seed", "manual_seed_all", "get_rng_state_all",
-                 "set_rng_state_all", "seed", "seed_all", "initial_seed"):
-        patches.set(cuda.random, name, stubs[name])
 
 
 # ------------------------------------------------------------------------------ collective checker

@@ -30,7 +30,7 @@ EXPECTED_KEYS = [
     "rollout/response_length", "rollout/generated_tokens_per_s", "rollout/logprob_abs_diff",
     "actor/clip_frac", "actor/approx_kl", "actor/grad_norm", "actor/lr", "actor/tokens_per_s",
     "actor/padding_fraction", "actor/entropy", "sync/seconds", "sync/gb_per_s", "time/rollout_s",
-    "time/reward_s", "time/logprob_s", "time/update_s", "time/sync_s", "time/save_s", "time/step_s",
+    "time/reward_s", "time/logprob_s", "time/update_s", "time/sync_s", "time/step_s",
     "time/outside_model_frac", "data/prompt_uids",
 ]
 
