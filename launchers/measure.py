@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Mapping
 
-from launchers.planner import GiB, Plan, PlanInput, actor_memory, colocated_peak
+from launchers.planner import GiB, Plan, PlanInput, actor_memory, colocated_peak, ipc_buffer_gib
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "temporaries")
 PROBE_TIMEOUT_S = 1800
@@ -91,7 +91,8 @@ def measure(raw: Mapping[str, Any] | None, p: PlanInput, plan: Plan, stages: str
     for r in results:
         r["formula_gib"] = {k: formula[r["stage"]][k] / GiB for k in (*CATEGORIES, "total")}
     return {"stages": results, "worst_stage": worst["stage"], "actor_peak_gib": actor_gib,
-            "colocated_peak_gib": colocated, "fits_actor": fits_actor, "fits": fits}
+            "colocated_peak_gib": colocated, "ipc_buffer_gib": ipc_buffer_gib(p), "fits_actor": fits_actor,
+            "fits": fits}
 
 
 def format_measured(measured: dict) -> str:

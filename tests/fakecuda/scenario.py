@@ -38,6 +38,7 @@ def experiment_config(spec: dict):
         "tools": {"search": {"enabled": False}},
         "data": {"max_prompt_tokens": 8}, "rollout": {"response_length": 16, "n": 2, "initial_rollouts": 2, "entropy_window": 8},
         "trainer": {"train_batch_size": 4, "keep_last": 2},
+        "launcher": {"gpus_per_node": spec["tp"] * spec["pp"] * spec["dp"]},  # one fake GPU node holds the layout
         "algorithm": {"entropy_balanced_clip": True, "entropy_aware_advantage": True},
         "actor": {"tensor_parallel": spec["tp"], "pipeline_parallel": spec["pp"], "data_parallel": spec["dp"],
                   "sequence_parallel": spec["sequence_parallel"], "params_dtype": "bf16", "use_te": "false",
