@@ -186,8 +186,10 @@ class ActorSync:
             self.pool.clear()
             self.pool = None
         if self.ipc_buffer is not None:
+            exported = self.ipc_buffer.is_cuda  # the gpu-smoke dry run stands a host buffer in for it
             self.ipc_buffer = None
-            torch.cuda.ipc_collect()  # the engines released their mapping at the last update's end
+            if exported:
+                torch.cuda.ipc_collect()  # the engines released their mapping at the last update's end
         if self.sender is not None:
             self.sender.close()
             self.sender = None
