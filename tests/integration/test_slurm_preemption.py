@@ -14,7 +14,7 @@ from launchers.options import PREEMPT_EXIT_CODE
 from launchers.slurm import render_sbatch, submit
 from slurm_cluster import job_env, ray_ports, slurm_cluster  # noqa: F401 (fixtures)
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # Slurm waits about 2 min before it restarts a requeued job
 
 # The trainer's contract: on SIGUSR1 save a checkpoint at the next safe point and exit with the
 # preemption code; when started with a checkpoint present (--resume auto), resume and finish.
