@@ -13,7 +13,7 @@ CPU_LOCK := constraints/cpu.txt
 GPU_LOCK := constraints/gpu.txt
 PYTEST_ARGS ?=
 
-.PHONY: demo test bench venv gpu-env lock wheels gpu-smoke slurm-packages sandbox-packages clean-venv
+.PHONY: demo test bench venv lock-check gpu-env lock wheels gpu-smoke slurm-packages sandbox-packages clean-venv
 
 venv: $(STAMP)
 
@@ -118,10 +118,16 @@ sandbox-packages:
 		echo "the packages bubblewrap and libseccomp2, or set tools.python.sandbox: best_effort (no isolation of model code)"; \
 	fi
 
-demo: $(STAMP) sandbox-packages
+# A package moved off its pinned version after the install (by hand, by another tool): doctor's "install
+# lock" row names it, and the install step runs again, which puts the pinned versions back (pip -c).
+lock-check: $(STAMP)
+	@$(PY) -c "import sys; from megatron_arpo.doctor import check_lock, PASS; c = check_lock(False); \
+	sys.exit(0 if c.status == PASS else print(c.found) or 1)" || { rm -f $(STAMP); $(MAKE) --no-print-directory $(STAMP); }
+
+demo: lock-check sandbox-packages
 	$(VENV)/bin/megatron-arpo demo --config configs/demo.yaml
 
-test: $(STAMP) slurm-packages sandbox-packages
+test: lock-check slurm-packages sandbox-packages
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
 bench: $(STAMP) sandbox-packages

@@ -41,6 +41,7 @@ from typing import Any, Literal, Mapping, Optional, Sequence, Union, get_args, g
 import yaml
 
 from megatron_arpo.cluster.placement import actor_world_size, total_devices  # noqa: F401  (re-exported)
+from megatron_arpo.determinism import deterministic_problems
 from megatron_arpo.errors import InputError
 from megatron_arpo.model_config import ModelConfig, layout_errors, load_model_config
 from megatron_arpo.redaction import REDACTED, is_secret_key, redact  # noqa: F401  (re-exported)
@@ -623,6 +624,7 @@ def validate(cfg: ExperimentConfig) -> list[str]:
         errors.append(f"launcher.job_name: {la.job_name!r}; allowed: a non-empty name without spaces")
     if not re.match(r"^(\d+-)?\d+(:\d{1,2}){0,2}$", la.time):
         errors.append(f"launcher.time: {la.time!r} is not a Slurm time; allowed: MM, HH:MM:SS or D-HH:MM:SS")
+    errors.extend(deterministic_problems(cfg))
     for name in cfg.launcher.env:
         if is_secret_key(name):
             errors.append(f"launcher.env.{name}: secrets must not be written in config files; export {name} "

@@ -161,6 +161,7 @@ class TrainerSection:
     rollout_devices: Optional[int] = _f(None, ge=1, help="separate: devices for engines")
     export_hf_on_save: bool = _f(False)
     export_hf_at_end: bool = _f(True)
+    deterministic: bool = _f(False, help="GPU: deterministic kernels in the actor (Megatron deterministic_mode, torch's deterministic algorithms, NCCL_ALGO=Ring) and vLLM's batch-invariant mode in the engines; slower (docs/reproducibility.md)")
     timeouts: TimeoutsSection = _f(factory=TimeoutsSection)
 
 

@@ -134,10 +134,12 @@ def build_transformer_config(
     sequence_parallel: bool = False,
     recompute: str | bool = "none",
     use_te: bool | None = None,
+    deterministic: bool = False,
 ):
     """Map a model config onto Megatron's ``TransformerConfig`` (the only place that builds one).
 
     ``recompute``: ``"none"``, ``"selective"`` or ``"full"`` (``True``/``False`` mean full/none).
+    ``deterministic``: Megatron's ``deterministic_mode`` (``trainer.deterministic``, megatron_arpo.determinism).
     """
     from megatron.core.transformer.enums import AttnBackend
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -187,6 +189,7 @@ def build_transformer_config(
         bias_activation_fusion=use_te,
         bias_dropout_fusion=use_te,
         apply_rope_fusion=use_te,
+        deterministic_mode=deterministic,
         **recompute_kwargs,
     )
 
@@ -243,6 +246,7 @@ def build_gpt_model(
     post_process: bool | None = None,
     recompute: str | bool = "none",
     sequence_parallel: bool = False,
+    deterministic: bool = False,
 ):
     """A ``GPTModel`` for this rank's pipeline stage (parallel state must already be initialised)."""
     from megatron.core import parallel_state
@@ -260,6 +264,7 @@ def build_gpt_model(
     config = build_transformer_config(
         model_cfg, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
         params_dtype=params_dtype, recompute=recompute, use_te=use_te, sequence_parallel=sequence_parallel,
+        deterministic=deterministic,
     )
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=True)

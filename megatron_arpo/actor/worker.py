@@ -53,6 +53,7 @@ from megatron_arpo.actor.logprobs import build_micro_batch, install_position_rop
 from megatron_arpo.actor.training import (VocabInfo, collective_device, entropy_moments_pass,
                                           logprob_loss, ppo_loss, run_schedule, sft_loss, train_micro_batches)
 from megatron_arpo.config_schema import AlgorithmSection
+from megatron_arpo import determinism
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +77,9 @@ class MegatronActorWorker:
 
         self.cfg, self.role = cfg, role
         self.actor = cfg.actor
+        # Before NCCL, cuBLAS or Transformer Engine start: they read the variables when they do.
+        self.deterministic = determinism.enabled(cfg)
+        determinism.apply_actor_settings(self.deterministic)
         if model_cfg is None:
             from megatron_arpo.config import resolved_model
 
@@ -139,7 +143,8 @@ class MegatronActorWorker:
         self.params_dtype = _DTYPES[self.actor.params_dtype]
         model = model_builder.build_gpt_model(
             self.model_cfg, tensor_parallel=self.tp, pipeline_parallel=self.pp, params_dtype=self.params_dtype,
-            use_te=self.use_te, recompute=self.actor.recompute, sequence_parallel=self.actor.sequence_parallel)
+            use_te=self.use_te, recompute=self.actor.recompute, sequence_parallel=self.actor.sequence_parallel,
+            deterministic=self.deterministic)
         model.config.variable_seq_lengths = True  # packed micro-batches differ in shape (PP p2p sends shapes)
         self.rope = None if self.use_te else install_position_rope(model)
         self.model = model  # the bare GPTModel: HF load, checkpoints, export

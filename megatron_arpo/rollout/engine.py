@@ -64,6 +64,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Optional, Sequence
 
+from megatron_arpo.determinism import ENGINE_ENV as ENGINE_BATCH_INVARIANT_ENV
 from megatron_arpo.cluster.ray_compat import ENGINE_RAY_ENV, check_ray_version
 from megatron_arpo.rollout.config import RolloutSection
 from megatron_arpo.rollout.kv_cache import kv_cache_info
@@ -146,6 +147,7 @@ class EngineConfig:
     # runs sleep/wake_up, which pause the scheduler and track the sleeping tags while freeing nothing.
     enable_sleep_mode: bool = RolloutSection.enable_sleep_mode
     weight_transfer: Optional[str] = None   # gloo | nccl | ipc (weight_sync.TRANSPORTS); None: no weight sync
+    batch_invariant: bool = False           # vLLM's batch-invariant kernels (trainer.deterministic)
     extra: dict[str, Any] = field(default_factory=dict)    # any other vllm.LLM keyword
 
     @classmethod
@@ -186,6 +188,8 @@ def engine_env(cfg: EngineConfig) -> dict[str, str]:
         # receiver accept only with insecure (pickle) serialisation on. The gloo and nccl payloads are plain
         # data and every collective_rpc passes a method name, so no other engine needs it.
         env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    if cfg.batch_invariant:
+        env.update(ENGINE_BATCH_INVARIANT_ENV)
     return env
 
 

@@ -4,6 +4,10 @@ Two RL steps of the tiny Qwen3 with tools (python sandbox, BM25 search), asynchr
 on a vLLM engine and a weight sync after each update, run twice in separate run directories on the same
 machine. Every metric except wall-clock ones must be equal, and the final HF checkpoints byte for byte.
 A change that gives this up (off-policy training, a non-deterministic kernel) must say so here.
+
+The second run sets ``trainer.deterministic: true`` (Megatron's deterministic mode, torch's deterministic
+algorithms, vLLM's batch-invariant mode): the GPU's deterministic path runs here too, and on this CPU it
+must give the same bits as the default path.
 """
 
 from __future__ import annotations
@@ -30,12 +34,12 @@ def _values(row: dict) -> dict:
     return {k: v for k, v in row.items() if k in DETERMINISTIC_FRACTIONS or not WALL_CLOCK.search(k)}
 
 
-def _train(cluster, data: Path, run_dir: Path, log: Path) -> list[dict]:
+def _train(cluster, data: Path, run_dir: Path, log: Path, *overrides: str) -> list[dict]:
     from megatron_arpo.tiny.checkpoint import tiny_checkpoint
 
     cmd = train_command(str(tiny_checkpoint("tiny-qwen3")), data, run_dir, "logging.wandb.mode=disabled",
                         "trainer.placement=separate", "trainer.actor_devices=2", "trainer.rollout_devices=1",
-                        resume="none")
+                        *overrides, resume="none")
     with open(log, "w") as out:
         proc = subprocess.run(cmd, cwd=REPO, env=train_env(data, cluster.address), stdout=out,
                               stderr=subprocess.STDOUT, timeout=900)
@@ -45,8 +49,11 @@ def _train(cluster, data: Path, run_dir: Path, log: Path) -> list[dict]:
 
 def test_two_runs_with_the_same_seed_give_the_same_metrics_and_weights(_ray_two_node_cluster, tmp_path):  # noqa: F811
     data = write_task(tmp_path)
-    runs = [tmp_path / "run-a", tmp_path / "run-b"]
-    rows = [_train(_ray_two_node_cluster, data, run, tmp_path / f"{run.name}.log") for run in runs]
+    runs = {tmp_path / "run-a": (), tmp_path / "run-b": ("trainer.deterministic=true",)}
+    rows = [_train(_ray_two_node_cluster, data, run, tmp_path / f"{run.name}.log", *extra)
+            for run, extra in runs.items()]
+    assert "trainer.deterministic: on" in (tmp_path / "run-b.log").read_text()
+    runs = list(runs)
 
     assert [r["step"] for r in rows[0]] == [1, 2] == [r["step"] for r in rows[1]]
     # The runs did real work: tools were called, the policy moved, the engine was synced.
