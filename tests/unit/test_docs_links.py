@@ -130,13 +130,14 @@ def test_the_checker_catches_what_it_must(tmp_path):
         "[ref]: guide/also-gone.md\n")
     problems = link_problems(root=tmp_path, pages=[tmp_path / "README.md", tmp_path / "guide" / "a.md"])
     text = "\n".join(problems)
-    assert "README.md:4: guide/gone.md: no file guide/gone.md" in text
-    assert "README.md:5: guide/a.md#same-2: no heading with id 'same-2'" in text
-    assert "README.md:6: guide/a.md#not-a-heading: no heading" in text
-    assert "README.md:7: tools/x.py#L1: an anchor needs a markdown page" in text
-    assert "README.md:8: ../outside.md points outside the repository" in text
-    assert "README.md:9: #nope: no heading with id 'nope' in README.md" in text
-    assert "README.md:10: guide/also-gone.md: no file" in text
+    expected = ["README.md:4: guide/gone.md: no file guide/gone.md",
+                "README.md:5: guide/a.md#same-2: no heading with id 'same-2'",
+                "README.md:6: guide/a.md#not-a-heading: no heading",
+                "README.md:7: tools/x.py#L1: an anchor needs a markdown page",
+                "README.md:8: ../outside.md points outside the repository",
+                "README.md:9: #nope: no heading with id 'nope' in README.md",
+                "README.md:10: guide/also-gone.md: no file"]
+    assert [e for e in expected if e not in text] == [], text
     assert len(problems) == 7, text  # nothing else: the good links, the URL, the code span and the fenced link pass
 
 
