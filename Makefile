@@ -102,8 +102,8 @@ slurm-packages:
 	fi
 
 # bubblewrap: every python-tool run is a bwrap sandbox (tools.python.sandbox: required), with a seccomp
-# filter compiled by libseccomp. Installed only as root; otherwise an admin must install them (see the
-# README, "Sandbox").
+# filter compiled by libseccomp. Installed only as root; otherwise an admin must install them (see
+# docs/sandbox.md, "What a cluster admin must allow").
 sandbox-packages:
 	@if command -v bwrap >/dev/null && command -v prlimit >/dev/null && \
 			/sbin/ldconfig -p 2>/dev/null | grep -q 'libseccomp\.so\.2'; then \

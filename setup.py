@@ -8,7 +8,7 @@ actor and the engines share one torch.
 Transformer Engine is not an extra: its PyTorch extension is a source distribution that must be compiled
 against the installed torch with ``pip install --no-build-isolation`` (TE's install notes), which an extra
 cannot ask for. ``make gpu-env`` installs the GPU extra and then TE that way. Apex is not on PyPI in a
-usable form: build it from source (see README) or use a container that ships it.
+usable form: build it from source (see docs/install.md) or use a container that ships it.
 """
 
 from setuptools import find_packages, setup

@@ -93,7 +93,7 @@ def config_main(argv: Sequence[str]) -> int:
 
 
 def render_config_reference() -> str:
-    """The markdown table of every config key; the README embeds it (a test keeps them equal)."""
+    """The markdown table of every config key; docs/configuration.md embeds it (a test keeps them equal)."""
     from megatron_arpo.config import describe_fields
 
     rows = ["| key | type | default | meaning |", "|---|---|---|---|"]

@@ -705,7 +705,7 @@ def validate_paths(cfg: ExperimentConfig, *, for_command: Literal["train", "sft"
 
 # ---------------------------------------------------------------------------------------- reference
 def describe_fields(cls: type = ExperimentConfig, prefix: str = "") -> list[tuple[str, str, Any, str]]:
-    """(key path, type, default, help) for every leaf key: the source of the README config reference."""
+    """(key path, type, default, help) for every leaf key: the source of the config reference in docs/configuration.md."""
     rows = []
     hints = get_type_hints(cls)
     for f in dataclasses.fields(cls):

@@ -3,7 +3,7 @@
 These dataclasses are the only definition of the tools' settings and their defaults: the experiment config
 (:mod:`megatron_arpo.config_schema`) composes :class:`ToolsSection`, and
 :func:`megatron_arpo.tools.registry.build_tools` builds the executor from it (or from the same keys in a
-plain mapping, checked against these fields). The config reference in README.md lists every key.
+plain mapping, checked against these fields). The config reference in docs/configuration.md lists every key.
 """
 
 from __future__ import annotations

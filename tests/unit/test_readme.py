@@ -1,14 +1,19 @@
-"""The README's promises: the two commands first, CI calls them, and the config reference is current."""
+"""The README's promises: the two commands first, CI calls them, a page a new user reads top to bottom (at most
+15 KB), every docs page reachable from it, and nothing copied between it and a docs page."""
 
 import re
-import sys
 from pathlib import Path
 
+from test_docs_links import links, markdown_pages, without_code
+
 ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+MAX_BYTES = 15_000
+MIN_SENTENCE = 60  # characters: shorter sentences ("Both are refused.") may recur by chance
 
 
 def test_readme_opens_with_the_two_commands():
-    text = (ROOT / "README.md").read_text()
+    text = README.read_text()
     first_block = re.search(r"```bash\n(.*?)```", text, re.S).group(1)
     commands = [line.split("#")[0].strip() for line in first_block.splitlines() if line.strip()]
     assert commands == ["make demo", "make test"]
@@ -20,13 +25,90 @@ def test_ci_runs_make_test():
     assert re.search(r"^make test\s*$", script, re.M)
 
 
-def test_generated_readme_sections_are_current():
-    sys.path.insert(0, str(ROOT / "tools"))
-    try:
-        import update_readme
-    finally:
-        sys.path.pop(0)
-    text = (ROOT / "README.md").read_text()
-    for name, body in update_readme.generated_sections().items():
-        assert update_readme.embedded(text, name) == body, (
-            f"README section {name!r} is stale: run `.venv/bin/python tools/update_readme.py`")
+def test_readme_is_at_most_15_kb():
+    size = len(README.read_bytes())
+    assert size <= MAX_BYTES, f"README.md is {size} bytes (at most {MAX_BYTES}): move a section into a page under docs/"
+
+
+def test_readme_says_what_has_run_on_a_gpu_before_the_demo():
+    text = README.read_text()
+    status = text.index("## Status")
+    assert status < text.index("## The CPU demo") < text.index("## The 32B run")
+    assert "Nothing in this repository has run on a GPU yet" in text[status:text.index("## The CPU demo")]
+    assert "docs/gpu_smoke.md" in text[status:text.index("## The CPU demo")]
+
+
+def test_the_32b_run_is_ten_numbered_steps():
+    text = README.read_text()
+    section = text.split("## The 32B run, step by step", 1)[1].split("\n## ", 1)[0]
+    steps = re.findall(r"^(\d+)\. \*\*(\w+)", section, re.M)
+    assert steps == [(str(i), name) for i, name in enumerate(
+        ["Install", "Doctor", "Checkpoint", "Data", "Retriever", "Validate", "Launch", "Watch", "Evaluate", "Export"], 1)]
+
+
+def _linked_pages(page: Path) -> set[Path]:
+    out = set()
+    for _line, target in links(page.read_text(encoding="utf-8")):
+        path = target.split("#", 1)[0]
+        if path and "://" not in path:
+            dest = (page.parent / path).resolve()
+            if dest.suffix == ".md" and dest.is_file():
+                out.add(dest)
+    return out
+
+
+def reachable_from_readme() -> tuple[set[Path], set[Path]]:
+    """(pages the README links directly, pages reachable from it through links)."""
+    direct = _linked_pages(README)
+    seen, todo = set(direct), list(direct)
+    while todo:
+        for dest in _linked_pages(todo.pop()) - seen:
+            seen.add(dest)
+            todo.append(dest)
+    return direct, seen
+
+
+def test_every_docs_page_is_linked_from_the_readme():
+    # docs/*.md directly; docs/design/ (and any deeper page) through its index page.
+    direct, reachable = reachable_from_readme()
+    pages = [p.resolve() for p in markdown_pages() if p != README]
+    unlinked = [p.relative_to(ROOT).as_posix() for p in pages if p.parent == ROOT / "docs" and p not in direct]
+    unreached = [p.relative_to(ROOT).as_posix() for p in pages if p not in reachable]
+    assert not unlinked, f"link these pages from README.md's Documentation table: {unlinked}"
+    assert not unreached, f"no chain of links from README.md reaches {unreached}"
+
+
+def prose_sentences(text: str) -> list[str]:
+    """The sentences of a page's prose (not code, tables or headings), whitespace folded."""
+    paragraphs, current = [], []
+    for line in without_code(text).splitlines():
+        stripped = line.strip()
+        if not stripped or stripped.startswith(("#", "|", "<!--")):
+            paragraphs.append(" ".join(current))
+            current = []
+            continue
+        current.append(re.sub(r"^(?:[-*>]|\d+\.)\s+", "", stripped))
+    paragraphs.append(" ".join(current))
+    return [s for p in paragraphs for s in re.split(r"(?<=[.!?;])\s+", p) if len(s) >= MIN_SENTENCE]
+
+
+def copied_sentences(readme: str, pages: dict[str, str]) -> list[str]:
+    folded = {name: " ".join(without_code(text).split()) for name, text in pages.items()}
+    return [f"{name}: {sentence!r}" for sentence in prose_sentences(readme)
+            for name, page in folded.items() if sentence in page]
+
+
+def test_nothing_is_copied_between_the_readme_and_a_page():
+    pages = {p.relative_to(ROOT).as_posix(): p.read_text(encoding="utf-8") for p in markdown_pages() if p != README}
+    copies = copied_sentences(README.read_text(), pages)
+    assert not copies, "say it in one place and link it:\n" + "\n".join(copies)
+
+
+def test_the_copy_check_can_fail():
+    readme = ("# R\n\nThe launcher writes the resolved config and the sbatch script into the run directory,\n"
+              "then submits it. Short one.\n\n```bash\nthe same sentence in code does not count, however long it is.\n```\n")
+    page = "# P\n\nIt says: the launcher writes the resolved config and the sbatch script into the run\ndirectory, then."
+    assert copied_sentences(readme, {"p.md": page}) == []  # case and punctuation differ: not a copy
+    page = "- The launcher writes the resolved config and the sbatch script into the run directory,\n  then submits it."
+    assert copied_sentences(readme, {"p.md": page}) == [
+        "p.md: 'The launcher writes the resolved config and the sbatch script into the run directory, then submits it.'"]

@@ -1,8 +1,8 @@
 """The shipped 32B recipes: they load and validate, the planner says they fit on H100-80G in every phase,
-and docs/launching.md shows their current `--dry-run` scripts and planner output.
+docs/launching.md shows their current `--dry-run` scripts and docs/memory.md their planner output.
 
-`python tests/unit/test_recipes.py` prints the generated blocks of docs/launching.md (run it from the
-repository root and paste them when a recipe, the renderer or the planner changes)."""
+`python tests/unit/test_recipes.py` prints the generated blocks of both pages (run it from the repository root
+and paste them when a recipe, the renderer or the planner changes)."""
 
 from __future__ import annotations
 
@@ -96,16 +96,17 @@ def test_planner_says_recipe_fits_on_h100_in_every_phase(recipe):
     assert code == 0 and "DOES NOT FIT" not in out.split("layouts that fit")[0], out
 
 
-def test_launching_doc_shows_current_dry_run_and_planner_output():
-    doc = (ROOT / "docs" / "launching.md").read_text()
-    stale = "docs/launching.md is stale: run `python tests/unit/test_recipes.py` and paste its blocks"
+def test_docs_show_current_dry_run_and_planner_output():
+    launching = (ROOT / "docs" / "launching.md").read_text()
+    memory = (ROOT / "docs" / "memory.md").read_text()
+    stale = "is stale: run `python tests/unit/test_recipes.py` and paste its blocks"
     for recipe in RECIPES:
         script = dry_run_output(recipe)
         assert "/work/" not in script and str(ROOT) not in script  # nothing of this machine leaks
-        assert script in doc, f"{stale} ({recipe} --dry-run)"
-        assert f"megatron-arpo launch slurm --config {recipe} --partition P --account A --time 48:00:00" in doc
-        assert plan_output(recipe)[1] in doc, f"{stale} ({recipe} plan)"
-    assert reference_table() in doc, f"{stale} (reference table)"
+        assert script in launching, f"docs/launching.md {stale} ({recipe} --dry-run)"
+        assert f"megatron-arpo launch slurm --config {recipe} --partition P --account A --time 48:00:00" in launching
+        assert plan_output(recipe)[1] in memory, f"docs/memory.md {stale} ({recipe} plan)"
+    assert reference_table() in memory, f"docs/memory.md {stale} (reference table)"
 
 
 if __name__ == "__main__":
