@@ -265,7 +265,7 @@ class PythonSandboxTool(Tool):
             parent, why = find_cgroup_parent(cgroup_parent) if self.command.kind == "bwrap" else (None, "no sandbox")
             if parent is None and (cgroup == "required" or cgroup_parent):
                 raise ValueError(f"python sandbox: no memory cgroup for the runs (tools.python.cgroup: {cgroup}): "
-                                 f"{why}; see the README on cgroup delegation, or set tools.python.cgroup: auto")
+                                 f"{why}; see docs/sandbox.md on cgroup delegation, or set tools.python.cgroup: auto")
             if parent is not None:
                 parent.sweep_stale()
                 self.cgroup_parent = parent

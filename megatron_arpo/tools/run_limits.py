@@ -17,7 +17,7 @@ the run-wide bound there, with RLIMIT_CPU per process as a hard backstop.
 
 Cgroups (`find_cgroup_parent`): a run gets its own child cgroup under
 - `cgroup_parent` when configured: a cgroup v2 directory this user may write, with `memory` in its
-  `cgroup.subtree_control` (e.g. a systemd unit with `Delegate=yes`; see the README);
+  `cgroup.subtree_control` (e.g. a systemd unit with `Delegate=yes`; see docs/sandbox.md);
 - otherwise the trainer's own cgroup v2 when it already delegates `memory` to children;
 - otherwise, as root on a cgroup v1 (hybrid) host, a child of the trainer's own v1 memory cgroup.
 The child is always nested under what the trainer is given, so every outer limit still applies. It

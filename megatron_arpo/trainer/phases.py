@@ -39,7 +39,7 @@ The reference group (``algorithm.use_reference``) stays resident: it holds bf16 
 On CPU, vLLM refuses ``enable_sleep_mode``; the engines still run ``sleep``/``wake_up`` (vLLM pauses and
 resumes its scheduler and tracks the tags; its CPU worker frees nothing), and the actor's offload really
 moves its state to host buffers, so the CPU tests run this order for real. What only a GPU run can
-confirm is listed in the README (section "Colocated GPUs: sleep and offload").
+confirm is listed in docs/memory.md (section "Colocated GPUs: sleep and offload").
 """
 
 from __future__ import annotations
