@@ -31,7 +31,8 @@ ACTOR_ENV: Mapping[str, str] = {
     "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0",    # Megatron asserts it with TE attention in deterministic_mode
     "NCCL_ALGO": "Ring",                        # one reduction order for every all-reduce
 }
-# vLLM's worker reads it at start-up (rollout/engine.py: engine_env puts it in every engine's environment).
+# vLLM's GPU worker reads it at start-up (rollout/engine.py: batch_invariant_env, GPU engines only: vLLM's
+# batch-invariant ops are Triton kernels its CPU build cannot run).
 ENGINE_ENV: Mapping[str, str] = {"VLLM_BATCH_INVARIANT": "1"}
 _DETERMINISTIC_NCCL_ALGOS = ("Ring", "Tree", "ring", "tree")
 

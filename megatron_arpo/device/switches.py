@@ -40,6 +40,16 @@ SWITCHES: tuple[Switch, ...] = (
                  "the ray executor itself needs GPUs (none here)",
     ),
     Switch(
+        id="vllm-batch-invariant",
+        where=("megatron_arpo/rollout/engine.py:batch_invariant_env",),
+        cpu="trainer.deterministic leaves the engines as they are (their numbers do not depend on the batch)",
+        gpu="trainer.deterministic sets VLLM_BATCH_INVARIANT=1 in every engine's environment",
+        reason="vLLM 0.32's batch-invariant ops are Triton kernels; its CPU build fails the first forward with "
+               "them ('function' object is not subscriptable in mean_kernel[grid])",
+        gpu_test="tests/unit/test_determinism.py::test_gpu_engines_get_the_batch_invariant_mode_only_with_the_flag "
+                 "builds the GPU environment; the kernels themselves need a GPU",
+    ),
+    Switch(
         id="vllm-cuda-kwargs",
         where=("megatron_arpo/rollout/engine.py:VllmEngine.__init__", "megatron_arpo/rollout/engine.py:_cuda_available"),
         cpu="gpu_memory_utilization and enable_sleep_mode are not passed; sleep/wake_up pause the scheduler and "

@@ -188,9 +188,15 @@ def engine_env(cfg: EngineConfig) -> dict[str, str]:
         # receiver accept only with insecure (pickle) serialisation on. The gloo and nccl payloads are plain
         # data and every collective_rpc passes a method name, so no other engine needs it.
         env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-    if cfg.batch_invariant:
-        env.update(ENGINE_BATCH_INVARIANT_ENV)
     return env
+
+
+def batch_invariant_env(cfg: EngineConfig, on_gpu: bool) -> dict[str, str]:
+    """vLLM's batch-invariant mode for ``trainer.deterministic``: on GPU only. vLLM 0.32's batch-invariant ops
+    are Triton kernels (its ``mean_dim`` launches ``mean_kernel[grid]``), which its CPU build cannot run: a CPU
+    engine with the variable fails its first forward. A CPU engine needs none: its numbers already do not
+    depend on the batch (tests/e2e/test_train_determinism.py)."""
+    return dict(ENGINE_BATCH_INVARIANT_ENV) if cfg.batch_invariant and on_gpu else {}
 
 
 def executor_backend(tensor_parallel_size: int, on_gpu: bool) -> Optional[str]:
@@ -682,7 +688,7 @@ def engine_actor_options(cfg: EngineConfig, *, on_gpu: bool, num_cpus: float = 1
     (``VLLM_RAY_PER_WORKER_GPUS``), in the placement group the actor runs in; the actor itself takes no
     GPU. CPU: no GPUs; several workers run under the ``mp`` executor.
     """
-    env = engine_env(cfg)
+    env = {**engine_env(cfg), **batch_invariant_env(cfg, on_gpu)}
     num_gpus = gpu_share if on_gpu else 0.0
     if executor_backend(cfg.tensor_parallel_size, on_gpu) == "ray":
         if len(bundle_indices) != cfg.tensor_parallel_size:

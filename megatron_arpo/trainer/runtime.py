@@ -255,8 +255,8 @@ def _start_engines(rt: Runtime, hf_dir: str, on_gpu: bool) -> None:
     engine_cfg = EngineConfig.from_rollout_section(hf_dir, cfg.rollout, dtype=ENGINE_DTYPES[cfg.actor.params_dtype],
                                                    extra=extra, batch_invariant=cfg.trainer.deterministic)
     if cfg.trainer.deterministic:
-        logger.info("trainer.deterministic: on (engines in vLLM's batch-invariant mode; actor ranks in Megatron's "
-                    "deterministic mode with torch's deterministic algorithms)")
+        logger.info("trainer.deterministic: on (actor ranks in Megatron's deterministic mode with torch's "
+                    "deterministic algorithms; GPU engines in vLLM's batch-invariant mode)")
     engine_cfg.weight_transfer = rt.transport  # the engines' receiver matches the actor's sender
     for index in range(cfg.rollout.num_engines):
         rt.engines.append(create_engine_actor(engine_cfg, index, **rt.pools.engine_placement(index)))

@@ -17,7 +17,7 @@ from megatron_arpo import determinism
 from megatron_arpo.actor import model_builder
 from megatron_arpo.config import ConfigError, load_config
 from megatron_arpo.model_config import load_model_config
-from megatron_arpo.rollout.engine import EngineConfig, engine_env
+from megatron_arpo.rollout.engine import EngineConfig, engine_actor_options
 
 DEMO = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
 
@@ -46,9 +46,14 @@ def test_a_non_deterministic_nccl_algorithm_in_the_environment_is_refused(monkey
     assert determinism.actor_env(False, {}) == {}
 
 
-def test_the_engines_get_the_batch_invariant_mode_only_with_the_flag():
-    assert "VLLM_BATCH_INVARIANT" not in engine_env(EngineConfig(model="m"))
-    assert engine_env(EngineConfig(model="m", batch_invariant=True))["VLLM_BATCH_INVARIANT"] == "1"
+def test_gpu_engines_get_the_batch_invariant_mode_only_with_the_flag():
+    def env(on_gpu: bool, **kw) -> dict:
+        return engine_actor_options(EngineConfig(model="m", **kw), on_gpu=on_gpu)[1]
+
+    assert env(True, batch_invariant=True)["VLLM_BATCH_INVARIANT"] == "1"
+    assert "VLLM_BATCH_INVARIANT" not in env(True)
+    # vLLM's batch-invariant ops are Triton kernels: a CPU engine would fail its first forward with them.
+    assert "VLLM_BATCH_INVARIANT" not in env(False, batch_invariant=True)
 
 
 def test_megatron_gets_its_deterministic_mode():
