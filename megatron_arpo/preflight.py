@@ -73,7 +73,8 @@ def check_data(cfg: Any, command: Command) -> None:
             if files:
                 load_prompt_files(files, fmt=d.format, on_bad_row=d.on_bad_row,
                                   system_prompt=d.system_prompt or DEFAULT_SYSTEM_PROMPT,
-                                  strict_answers=d.reward in BUILTIN_REWARDS)
+                                  strict_answers=d.reward in BUILTIN_REWARDS,
+                                  prompt_key=d.prompt_key, answer_key=d.answer_key)
     elif command == "sft":
         from megatron_arpo.data.sft import SFTDataError, iter_conversations
 

@@ -74,13 +74,15 @@ def test_jsonl_rows_and_bad_lines(tmp_path):
     with pytest.raises(DatasetError, match=r"qa\.jsonl row 2: invalid JSON"):
         load_prompts(path)
     records, stats = load_prompts(path, on_bad_row="skip", system_prompt="SYS")
-    # A number is no answer the built-in rewards can score: skipped (or refused) at load, not after a rollout.
-    assert stats.skipped_bad == 3 and [r.ground_truth for r in records] == ["Paris"]
-    assert "'answer' is 2 (int)" in stats.errors[2]
+    # A number is written as a string for the built-in rewards (the evaluation loader does the same).
+    assert stats.skipped_bad == 2 and [r.ground_truth for r in records] == ["Paris", "2"]
     assert records[0].messages[0] == {"role": "system", "content": "SYS"}
     assert records[0].data_source == "qa"
     records, stats = load_prompts(path, on_bad_row="skip", strict_answers=False)  # a custom reward's choice
     assert stats.skipped_bad == 2 and [r.ground_truth for r in records] == ["Paris", 2]
+    (tmp_path / "empty.jsonl").write_text(json.dumps({"question": "q", "answer": []}) + "\n")
+    with pytest.raises(DatasetError, match="'answer' is \\[\\] \\(list\\)"):
+        load_prompts(tmp_path / "empty.jsonl")
 
 
 def test_missing_file_and_duplicate_ids(tmp_path):
