@@ -78,7 +78,10 @@ def check_data(cfg: Any, command: Command) -> None:
     elif command == "sft":
         from megatron_arpo.data.sft import SFTDataError, iter_conversations
 
-        if sum(1 for _ in iter_conversations(cfg.sft.train_files, cfg.data.on_bad_row)) == 0:
+        from megatron_arpo.data.fields import FieldKeys
+
+        keys = FieldKeys(cfg.data.prompt_key, cfg.data.answer_key)
+        if sum(1 for _ in iter_conversations(cfg.sft.train_files, cfg.data.on_bad_row, keys=keys)) == 0:
             raise SFTDataError(f"no usable SFT conversation in {cfg.sft.train_files}")
 
 

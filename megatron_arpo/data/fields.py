@@ -325,16 +325,20 @@ def _head(path: Path) -> bytes:
         return fh.read(4096)
 
 
-def detect_format(path: str | os.PathLike, fmt: str = "auto", setting: str = "data.format") -> str:
+def detect_format(path: str | os.PathLike, fmt: str = "auto", setting: Optional[str] = "data.format") -> str:
     """``parquet``, ``jsonl`` (one object per line) or ``json`` (one list) for ``path``; a format that the
     file's bytes contradict (``jsonl`` on a parquet file, ``.jsonl`` holding parquet) raises RowError naming
-    both and the fix."""
+    both and the fix. ``setting``: the config key that sets ``fmt`` (None: the suffix alone decides)."""
     path = Path(path)
     if fmt not in FILE_FORMATS:
         raise RowError(f"{setting} {fmt!r} is not supported; use one of {', '.join(FILE_FORMATS)}")
     head = _head(path)
     is_parquet = head.startswith(_PARQUET_MAGIC)
     first = head.lstrip()[:1]
+
+    def or_set(value: str) -> str:
+        return f", or set {setting}: {value}" if setting else ""
+
     if fmt == "auto":
         by_suffix = {".parquet": "parquet", ".jsonl": "jsonl"}.get(path.suffix)
         if path.suffix == ".json":
@@ -345,13 +349,12 @@ def detect_format(path: str | os.PathLike, fmt: str = "auto", setting: str = "da
             if first in (b"[", b"{"):
                 return "json" if first == b"[" else "jsonl"
             raise RowError(f"{path}: cannot tell the format from the suffix {path.suffix!r} or the contents; name the "
-                           f"file .parquet / .jsonl / .json, or set {setting} to parquet or jsonl")
+                           f"file .parquet / .jsonl (one object per line) / .json (a list){or_set('parquet or jsonl')}")
         if by_suffix == "parquet" and not is_parquet and first in (b"[", b"{"):
-            raise RowError(f"{path} ends in .parquet but holds JSON text; rename it to .jsonl (or .json), or set "
-                           f"{setting}: jsonl")
+            raise RowError(f"{path} ends in .parquet but holds JSON text; rename it to .jsonl (or .json){or_set('jsonl')}")
         if by_suffix != "parquet" and is_parquet:
             raise RowError(f"{path} ends in {path.suffix} but holds parquet data (it starts with PAR1); rename it to "
-                           f".parquet, or set {setting}: parquet")
+                           f".parquet{or_set('parquet')}")
         fmt = by_suffix
     elif fmt == "parquet" and not is_parquet and first in (b"[", b"{"):
         raise RowError(f"{setting} is parquet but {path} holds JSON text, not parquet; set {setting}: jsonl (or auto)")

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from megatron_arpo.data.datasets import repair_boxed
 from megatron_arpo.data.fields import ROLE_ALIASES, FieldKeys, RowError, detect_format, iter_file_rows, resolve_conversation
 from megatron_arpo.errors import InputError
 
@@ -74,11 +75,13 @@ class SFTLoadStats:
 
 
 def normalize_conversation(row: Any, where: str, keys: FieldKeys = FieldKeys()) -> list[dict[str, str]]:
-    """``[{"role", "content"}]`` of any accepted row (system first when given); raises SFTDataError."""
+    """``[{"role", "content"}]`` of any accepted row (system first when given; ARPO's corrupted ``\\boxed``
+    repaired as for RL); raises SFTDataError."""
     try:
-        return resolve_conversation(row, where, keys)
+        messages = resolve_conversation(row, where, keys)
     except RowError as exc:
         raise SFTDataError(str(exc)) from None
+    return [{"role": m["role"], "content": repair_boxed(m["content"])[0]} for m in messages]
 
 
 def _strip_prefix(content: str, prefix: str) -> tuple[str, bool]:
@@ -156,7 +159,7 @@ def tokenize_conversation(chat: Any, messages: Sequence[dict[str, str]], max_tok
 def _iter_rows(path: Path, fmt: str) -> Iterable[tuple[str, Any]]:
     """``(where, row)``; a row that cannot be parsed comes as ``(where, SFTDataError)``."""
     try:
-        fmt = detect_format(path, fmt)
+        fmt = detect_format(path, fmt, setting=None if fmt == "auto" else "data.format")
         for number, row, problem in iter_file_rows(path, fmt):
             where = f"{path}:{number}" if fmt == "jsonl" else f"{path}[{number}]"
             yield where, (SFTDataError(f"{where}: {problem}") if problem else row)
