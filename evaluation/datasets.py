@@ -37,8 +37,6 @@ from typing import Any, Optional
 from megatron_arpo.data.datasets import repair_boxed
 from megatron_arpo.data.fields import (
     ANSWER_KEYS,
-    ID_KEYS,
-    QUESTION_KEYS,
     FieldKeys,
     RowError,
     detect_format,

@@ -134,7 +134,7 @@ def tokenize_conversation(chat: Any, messages: Sequence[dict[str, str]], max_tok
     if turns[0] == 0:
         raise SFTDataError("the conversation starts with an assistant turn; it needs a user question before it")
     texts = render_turn_texts(chat, messages)
-    eos_ids = set(getattr(protocol, "eos_token_ids", None) or [protocol.eos_token_id])
+    eos_ids = set(protocol.end_token_ids)
     ids = protocol.encode_text(texts[0])
     mask = [0] * len(ids)
     counts = {"result_spans": 0, "prefix_stripped": 0}
