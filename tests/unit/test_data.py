@@ -1,6 +1,7 @@
 """Datasets (ARPO parquet, JSONL) and the checkpointable sampler."""
 
 import json
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -130,3 +131,22 @@ def test_sampler_rejects_state_for_other_dataset():
     s = EpochSampler(num_items=7, batch_size=3, seed=1)
     with pytest.raises(ValueError, match="saved for 8 prompts"):
         s.load_state_dict({"epoch": 0, "position": 1, "num_items": 8, "seed": 1})
+
+
+def test_named_system_prompts_and_the_rows_own(tmp_path):
+    from megatron_arpo.config import load_config
+    from megatron_arpo.data.system_prompts import ARPO_SYSTEM_PROMPT, DEFAULT_SYSTEM_PROMPT
+
+    path = tmp_path / "qa.jsonl"
+    path.write_text(json.dumps({"question": "q?", "answer": "a"}) + "\n"
+                    + json.dumps({"question": "q2?", "answer": "b", "system": "Own prompt."}) + "\n")
+    for name, text in (("arpo", ARPO_SYSTEM_PROMPT), ("default", DEFAULT_SYSTEM_PROMPT), ("Literal text.", "Literal text.")):
+        records, _ = load_prompts(path, system_prompt=name)
+        assert records[0].messages[0] == {"role": "system", "content": text}
+        assert records[1].messages[0] == {"role": "system", "content": "Own prompt."}
+    records, _ = load_prompts(path, system_prompt="none")
+    assert [m["role"] for m in records[0].messages] == ["user"]
+    assert "\\boxed{answer here}" in ARPO_SYSTEM_PROMPT and "\x08" not in ARPO_SYSTEM_PROMPT
+    for recipe in ("qwq-32b-arpo-deepsearch", "qwen3-32b-arpo-reasoning"):
+        cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / f"{recipe}.yaml")
+        assert cfg.data.system_prompt == "arpo"
