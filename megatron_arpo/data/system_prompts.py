@@ -13,7 +13,10 @@ keeps it; the configured prompt is used for rows without one.
 
 from __future__ import annotations
 
+import re
 from typing import Optional
+
+from megatron_arpo.errors import InputError
 
 __all__ = ["ARPO_SYSTEM_PROMPT", "DEFAULT_SYSTEM_PROMPT", "SYSTEM_PROMPTS", "resolve_system_prompt"]
 
@@ -48,8 +51,14 @@ SYSTEM_PROMPTS: dict[str, str] = {"default": DEFAULT_SYSTEM_PROMPT, "arpo": ARPO
 
 def resolve_system_prompt(value: Optional[str]) -> Optional[str]:
     """The prompt text of ``data.system_prompt``: a built-in name (``default``, ``arpo``, ``none``), the
-    text itself, or null / "" for ``default``. Returns None for ``none``."""
+    text itself, or null / "" for ``default``. Returns None for ``none``. A single word that is no built-in
+    in lower case (a misspelt name) is refused: a prompt's text is a sentence."""
     if value is None or value == "":
         return DEFAULT_SYSTEM_PROMPT
-    text = SYSTEM_PROMPTS.get(value.strip().lower(), value) if len(value) < 32 else value
-    return text or None
+    key = value.strip().lower()
+    if key in SYSTEM_PROMPTS:
+        return SYSTEM_PROMPTS[key] or None
+    if re.fullmatch(r"[a-z0-9_.-]+", value.strip()):  # a lower-case word: meant as a name
+        raise InputError(f"data.system_prompt {value!r} is not a built-in prompt ({', '.join(SYSTEM_PROMPTS)}); give "
+                         "one of those names or the prompt's text")
+    return value

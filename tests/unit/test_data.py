@@ -136,6 +136,7 @@ def test_sampler_rejects_state_for_other_dataset():
 def test_named_system_prompts_and_the_rows_own(tmp_path):
     from megatron_arpo.config import load_config
     from megatron_arpo.data.system_prompts import ARPO_SYSTEM_PROMPT, DEFAULT_SYSTEM_PROMPT
+    from megatron_arpo.errors import InputError
 
     path = tmp_path / "qa.jsonl"
     path.write_text(json.dumps({"question": "q?", "answer": "a"}) + "\n"
@@ -144,6 +145,8 @@ def test_named_system_prompts_and_the_rows_own(tmp_path):
         records, _ = load_prompts(path, system_prompt=name)
         assert records[0].messages[0] == {"role": "system", "content": text}
         assert records[1].messages[0] == {"role": "system", "content": "Own prompt."}
+    with pytest.raises(InputError, match="'arp0' is not a built-in prompt \\(default, arpo, none\\)"):
+        load_prompts(path, system_prompt="arp0")
     records, _ = load_prompts(path, system_prompt="none")
     assert [m["role"] for m in records[0].messages] == ["user"]
     assert "\\boxed{answer here}" in ARPO_SYSTEM_PROMPT and "\x08" not in ARPO_SYSTEM_PROMPT
