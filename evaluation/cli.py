@@ -186,7 +186,10 @@ def prepare(args: argparse.Namespace) -> tuple[Any, Any, Any]:
         raise EvalError(f"--temperature {temperature} must be >= 0 (0 = greedy)")
     tools_cfg = _tools_config(args, cfg, out_dir)
     chat = load_chat(model, _pick(args.tokenizer, cfg.model.tokenizer), cfg.data.chat_template, cfg.data.enable_thinking)
-    system_prompt = resolve_system_prompt(cfg.data.system_prompt)  # a built-in name or the text
+    try:
+        system_prompt = resolve_system_prompt(cfg.data.system_prompt)  # a built-in name or the text
+    except ValueError as exc:
+        raise EvalError(str(exc)) from exc
     search = tools_cfg["search"]
     meta = {
         "response_length": response_length, "call_limit": call_limit, "seed": seed, "dtype": args.dtype,
