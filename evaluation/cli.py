@@ -42,7 +42,8 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         epilog="known datasets: " + ", ".join(sorted(DATASETS)) + " (others: NAME:qa or NAME:math)")
     p.add_argument("--model", help="HF checkpoint directory (default: model.hf_checkpoint of --config)")
     p.add_argument("--tokenizer", help="tokenizer directory (default: model.tokenizer of --config, else --model)")
-    p.add_argument("--datasets", help="comma-separated dataset names (default: eval.datasets)")
+    p.add_argument("--datasets", help="comma-separated dataset names or files (PATH[:qa|math]: parquet, JSONL, "
+                                      "JSON; default: eval.datasets)")
     p.add_argument("--data-dir", help="directory holding <name>/test.jsonl (default: eval.data_dir)")
     p.add_argument("--k", type=int, help="samples per question (pass@k; default eval.k)")
     p.add_argument("--config", help="experiment YAML")
@@ -153,7 +154,8 @@ def prepare(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     """(EvalSettings, EngineSpec, judge kwargs or None) from the parsed arguments; raises on bad input."""
     from evaluation.datasets import parse_dataset_names
     from evaluation.runner import EngineSpec, EvalError, EvalSettings
-    from megatron_arpo.data.datasets import DEFAULT_SYSTEM_PROMPT
+    from megatron_arpo.data.fields import FieldKeys
+    from megatron_arpo.data.system_prompts import resolve_system_prompt
 
     cfg = _load_sections(args)
     ev = cfg.eval
@@ -162,8 +164,9 @@ def prepare(args: argparse.Namespace) -> tuple[Any, Any, Any]:
         raise EvalError("no model: pass --model HF_DIR (or set model.hf_checkpoint in --config)")
     specs = parse_dataset_names(_pick(args.datasets, ev.datasets or None) or "")
     data_dir = _pick(args.data_dir, ev.data_dir)
-    if not data_dir:
-        raise EvalError("no data directory: pass --data-dir DIR holding <name>/test.jsonl (or set eval.data_dir)")
+    if not data_dir and any(spec.path is None for spec in specs):
+        raise EvalError("no data directory: pass --data-dir DIR holding <name>/test.jsonl (or set eval.data_dir), "
+                        "or give the datasets as file paths")
     if args.config:
         default_out = _pick(ev.output_dir, str(Path(cfg.trainer.run_dir or f"runs/{cfg.name}") / "eval"))
     else:
@@ -183,7 +186,10 @@ def prepare(args: argparse.Namespace) -> tuple[Any, Any, Any]:
         raise EvalError(f"--temperature {temperature} must be >= 0 (0 = greedy)")
     tools_cfg = _tools_config(args, cfg, out_dir)
     chat = load_chat(model, _pick(args.tokenizer, cfg.model.tokenizer), cfg.data.chat_template, cfg.data.enable_thinking)
-    system_prompt = _pick(cfg.data.system_prompt, DEFAULT_SYSTEM_PROMPT)
+    try:
+        system_prompt = resolve_system_prompt(cfg.data.system_prompt)  # a built-in name or the text
+    except ValueError as exc:
+        raise EvalError(str(exc)) from exc
     search = tools_cfg["search"]
     meta = {
         "response_length": response_length, "call_limit": call_limit, "seed": seed, "dtype": args.dtype,
@@ -193,10 +199,12 @@ def prepare(args: argparse.Namespace) -> tuple[Any, Any, Any]:
                         {"backend": search["backend"], "corpus": search.get("corpus"), "url": search.get("url"),
                          "topk": search["topk"]}),
     }
-    settings = EvalSettings(model=str(Path(model).resolve()), datasets=specs, data_dir=str(data_dir), out_dir=out_dir, k=k,
+    settings = EvalSettings(model=str(Path(model).resolve()), datasets=specs,
+                            data_dir=str(data_dir) if data_dir else None, out_dir=out_dir, k=k,
                             temperature=temperature, top_p=_pick(args.top_p, ev.top_p),
                             max_samples=_pick(args.max_samples, ev.max_samples), system_prompt=system_prompt,
-                            max_in_flight=args.max_in_flight, generation_meta=meta)
+                            max_in_flight=args.max_in_flight, generation_meta=meta,
+                            field_keys=FieldKeys(cfg.data.prompt_key, cfg.data.answer_key))
     engine = EngineSpec(model_dir=str(model), chat=chat, rollout_section=rollout, tools_cfg=tools_cfg,
                         temperature=temperature, top_p=settings.top_p, response_length=response_length,
                         call_limit=call_limit, seed=seed, dtype=args.dtype)
@@ -241,7 +249,7 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = PROG) -> int:
         from evaluation.datasets import load_dataset
 
         for spec in settings.datasets:
-            load_dataset(spec, settings.data_dir, settings.max_samples)
+            load_dataset(spec, settings.data_dir, settings.max_samples, settings.field_keys)
         results = asyncio.run(_run(settings, engine, judge))
     except (DatasetError, EvalError, ConfigError) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)

@@ -1,7 +1,11 @@
-"""Evaluation datasets: the registry of known benchmarks and loaders for the ARPO/Tool-Star JSONL layouts.
+"""Evaluation datasets: the registry of known benchmarks and loaders for the ARPO/Tool-Star layouts.
 
-Every dataset is one file, ``<data-dir>/<name>/test.jsonl``, one JSON object per line (the layout of the
-ARPO evaluation data, docs/design/arpo_reference.md §9). The fields differ between sources:
+A registered dataset is one file, ``<data-dir>/<name>/test.jsonl``, one JSON object per line (the layout
+of the ARPO evaluation data, docs/design/arpo_reference.md §9). A dataset can also be a file path
+(``PATH[:TASK]``, parquet, JSONL or JSON): ARPO's ``gaia_test.parquet`` / ``hle_test.parquet`` rows carry
+their prompt (system + user) and ``reward_model.ground_truth``, as the RL validation files do. Rows are
+read by `megatron_arpo.data.fields` (the RL and SFT loaders' resolver); a row's own system prompt is
+kept and the configured one is used for rows without one. The fields differ between sources:
 
   - ``question`` / ``answer``: most sets (AIME24, HotpotQA, 2Wiki, MuSiQue, Bamboogle, WebWalker, ...);
   - ``Question`` with ``Final answer`` (or ``answer``): GAIA;
@@ -15,6 +19,8 @@ Each registered dataset has a task type (``math`` or ``qa``, `TASKS`), which fix
 (from `megatron_arpo.rewards`, the training scorer), its headline metric and the binary "correct" rule
 used for pass@k; and a sample cap (the reference caps every set at its first 500 rows, ``COUNTS=500``).
 A dataset not in the registry is named ``NAME:TASK`` (``mydata:qa``) and read from ``<data-dir>/NAME``.
+A file path takes its task from ``:TASK`` or, without it, from the registered name its file name starts
+with (``gaia_test.parquet`` -> gaia, qa).
 
 Sample ids: the row's ``id`` / ``task_id`` / ``unique_id`` / ``idx`` when present (as a string), else the
 0-based row number. Ids must be unique within a file: resuming an evaluation matches samples by id.
@@ -22,12 +28,22 @@ Sample ids: the row's ``id`` / ``task_id`` / ``unique_id`` / ``idx`` when presen
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
+
+from megatron_arpo.data.datasets import repair_boxed
+from megatron_arpo.data.fields import (
+    ANSWER_KEYS,
+    FieldKeys,
+    RowError,
+    detect_format,
+    gold_value,
+    iter_file_rows,
+    resolve_prompt_row,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -39,10 +55,8 @@ __all__ = [
 # The reference evaluates at most the first 500 rows of every set (COUNTS=500 in its scripts).
 DEFAULT_SAMPLE_CAP = 500
 
-QUESTION_KEYS = ("question", "Question", "problem")
-ANSWER_KEYS = ("answer", "Final answer", "final_answer", "golden_answers")
-ID_KEYS = ("id", "task_id", "unique_id", "idx", "qid")
 _GSM8K_MARK = "####"
+_FILE_SUFFIXES = (".parquet", ".jsonl", ".json")
 
 
 class DatasetError(ValueError):
@@ -77,6 +91,7 @@ class DatasetSpec:
     max_samples: Optional[int] = DEFAULT_SAMPLE_CAP
     gsm8k_answers: bool = False          # answers are worked solutions ending in "#### <number>"
     description: str = ""
+    path: Optional[str] = None           # a dataset given as a file path (read instead of <data-dir>/<name>)
 
     @property
     def task_type(self) -> TaskType:
@@ -116,6 +131,8 @@ class EvalSample:
     gold: str | list[str]
     task: str
     extra: dict[str, Any] = field(default_factory=dict)
+    # The row's own prompt (chat messages ending with the question) when it carries a system prompt.
+    prompt: Optional[tuple[dict[str, str], ...]] = None
 
 
 # ------------------------------------------------------------------------------------ name resolution
@@ -123,11 +140,38 @@ def _known_names() -> str:
     return ", ".join(sorted(DATASETS))
 
 
+def _file_spec(raw: str) -> Optional[DatasetSpec]:
+    """A ``PATH[:TASK]`` dataset (a file that exists, or a name ending in .parquet/.jsonl/.json); else None."""
+    path, task = raw, None
+    head, sep, tail = raw.rpartition(":")
+    if sep and tail in TASKS:
+        path, task = head, tail
+    if not (Path(path).is_file() or path.endswith(_FILE_SUFFIXES)):
+        return None
+    stem = Path(path).stem
+    if not Path(path).is_file():
+        raise DatasetError(f"dataset file {path!r} not found; give an existing parquet/JSONL/JSON file, or a dataset "
+                           f"name ({_known_names()}) with --data-dir")
+    known = next((DATASETS[n] for n in sorted(DATASETS, key=len, reverse=True)
+                  if re.match(rf"{re.escape(n)}(\b|_|-|$)", stem.lower())), None)
+    if task is None:
+        if known is None:
+            raise DatasetError(f"dataset file {path!r}: cannot tell its task from the name; write {path}:qa or "
+                               f"{path}:math")
+        task = known.task
+    return DatasetSpec(name=stem, task=task, description=f"file {path}", path=str(path),
+                       gsm8k_answers=bool(known and known.gsm8k_answers))
+
+
 def resolve_dataset(name: str) -> DatasetSpec:
-    """The spec for a registered name (case-insensitive) or a ``NAME:TASK`` custom dataset."""
+    """The spec for a registered name (case-insensitive), a ``NAME:TASK`` custom dataset or a ``PATH[:TASK]``
+    file."""
     raw = name.strip()
     if not raw:
         raise DatasetError(f"empty dataset name; known datasets: {_known_names()}")
+    file_spec = _file_spec(raw)
+    if file_spec is not None:
+        return file_spec
     if ":" in raw:
         base, _, task = raw.partition(":")
         if task not in TASKS:
@@ -186,89 +230,70 @@ def gsm8k_gold(answer: str) -> str:
     return answer.rsplit(_GSM8K_MARK, 1)[1].strip().replace(",", "")
 
 
-def _gold_value(value: Any) -> str | list[str] | None:
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, (int, float)):
-        return str(value)
-    if isinstance(value, str):
-        return value if value.strip() else None
-    if isinstance(value, list):
-        items = [_gold_value(v) for v in value]
-        if not items or any(not isinstance(v, str) for v in items):
-            return None
-        return items
-    return None
-
-
-def _first(row: dict, keys: tuple[str, ...]) -> tuple[Optional[str], Any]:
-    for key in keys:
-        if key in row and row[key] is not None:
-            return key, row[key]
-    return None, None
-
-
-def _parse_row(row: Any, spec: DatasetSpec, where: str, index: int) -> EvalSample:
-    if not isinstance(row, dict):
-        raise DatasetError(f"{where}: expected a JSON object, got {type(row).__name__}")
-    qkey, question = _first(row, QUESTION_KEYS)
-    if not isinstance(question, str) or not question.strip():
-        raise DatasetError(f"{where}: no question; expected a non-empty string in one of the fields "
-                           f"{list(QUESTION_KEYS)}, found fields {sorted(row)}")
-    akey, answer = _first(row, ANSWER_KEYS)
+def _parse_row(row: Any, spec: DatasetSpec, where: str, index: int, keys: FieldKeys) -> EvalSample:
+    try:
+        resolved = resolve_prompt_row(row, where, keys)
+    except RowError as exc:
+        raise DatasetError(str(exc)) from None
+    akey, answer = resolved.answer_key, resolved.answer
     if akey is None:
-        raise DatasetError(f"{where}: no gold answer; expected one of the fields {list(ANSWER_KEYS)}, "
-                           f"found fields {sorted(row)}")
+        raise DatasetError(f"{where}: no gold answer; expected reward_model.ground_truth or one of the fields "
+                           f"{list(ANSWER_KEYS)}, found fields {sorted(row)}; name another with data.answer_key")
     if spec.gsm8k_answers and isinstance(answer, str):
         try:
             answer = gsm8k_gold(answer)
         except ValueError as exc:
             raise DatasetError(f"{where}: {exc}; GSM8K answers end with '#### <number>'") from None
-    gold = _gold_value(answer)
+    gold = gold_value(answer)
     if gold is None:
         raise DatasetError(f"{where}: field {akey!r} must be a non-empty string, number or list of them, "
                            f"got {answer!r:.80}")
-    _, sample_id = _first(row, ID_KEYS)
-    extra = {k: v for k, v in row.items() if k not in (qkey, akey)}
-    return EvalSample(dataset=spec.name, sample_id=str(sample_id if sample_id is not None else index),
-                      question=question, gold=gold, task=spec.task, extra=extra)
+    messages = tuple({"role": m["role"], "content": repair_boxed(m["content"])[0]} for m in resolved.messages)
+    return EvalSample(dataset=spec.name, sample_id=resolved.row_id if resolved.row_id is not None else str(index),
+                      question=messages[-1]["content"], gold=gold, task=spec.task, extra=resolved.extra,
+                      prompt=messages if resolved.own_system or len(messages) > 1 else None)
 
 
-def load_dataset(spec: DatasetSpec | str, data_dir: str | Path, max_samples: Optional[int] = None) -> list[EvalSample]:
-    """The first ``max_samples`` (default: the spec's cap) samples of ``<data_dir>/<name>/test.jsonl``."""
+def load_dataset(spec: DatasetSpec | str, data_dir: str | Path | None, max_samples: Optional[int] = None,
+                 keys: FieldKeys = FieldKeys()) -> list[EvalSample]:
+    """The first ``max_samples`` (default: the spec's cap) samples of the spec's file, or of
+    ``<data_dir>/<name>/test.jsonl``. ``keys``: ``data.prompt_key`` / ``data.answer_key``."""
     if isinstance(spec, str):
         spec = resolve_dataset(spec)
-    path = dataset_path(data_dir, spec)
+    if spec.path is not None:
+        path = Path(spec.path)
+    elif data_dir is None:
+        raise DatasetError(f"dataset {spec.name!r}: no data directory; pass --data-dir DIR holding "
+                           f"{spec.name}/test.jsonl, or give the dataset as a file path")
+    else:
+        path = dataset_path(data_dir, spec)
     if not path.exists():
-        hint = "" if Path(data_dir).is_dir() else f" (the data dir {str(data_dir)!r} does not exist)"
+        hint = "" if spec.path or Path(data_dir).is_dir() else f" (the data dir {str(data_dir)!r} does not exist)"
         raise DatasetError(f"dataset {spec.name!r}: file {str(path)!r} not found{hint}; each dataset is "
                            f"<data-dir>/<name>/test.jsonl — pass --data-dir pointing at the directory that "
-                           f"holds {spec.name}/test.jsonl")
+                           f"holds {spec.name}/test.jsonl, or give the file's path in --datasets")
     cap = spec.max_samples if max_samples is None else max_samples
     if cap is not None and cap < 1:
         raise DatasetError(f"dataset {spec.name!r}: max_samples={cap} must be >= 1 (or null for the default cap)")
     samples: list[EvalSample] = []
     seen: dict[str, int] = {}
-    with open(path, encoding="utf-8") as fh:
-        for line_no, line in enumerate(fh, start=1):
+    try:
+        fmt = detect_format(path, "auto", setting=None)
+        unit = "line" if fmt == "jsonl" else "row"
+        for number, row, problem in iter_file_rows(path, fmt):
             if cap is not None and len(samples) >= cap:
                 break
-            if not line.strip():
-                continue
-            where = f"{path} line {line_no}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DatasetError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") from None
-            except RecursionError:
-                raise DatasetError(f"{where}: JSON nested too deeply (deeper than Python's recursion limit); "
-                                   f"flatten the row") from None
-            sample = _parse_row(row, spec, where, index=len(samples))
+            where = f"{path} {unit} {number}"
+            if problem:
+                raise DatasetError(f"{where}: {problem}")
+            sample = _parse_row(row, spec, where, len(samples), keys)
             if sample.sample_id in seen:
-                raise DatasetError(f"{where}: sample id {sample.sample_id!r} repeats line {seen[sample.sample_id]}; "
+                raise DatasetError(f"{where}: sample id {sample.sample_id!r} repeats {unit} {seen[sample.sample_id]}; "
                                    "ids must be unique (resume matches samples by id)")
-            seen[sample.sample_id] = line_no
+            seen[sample.sample_id] = number
             samples.append(sample)
+    except RowError as exc:
+        raise DatasetError(str(exc)) from None
     if not samples:
         raise DatasetError(f"dataset {spec.name!r}: {path} has no rows")
     logger.info("dataset %s: %d samples from %s (task %s)", spec.name, len(samples), path, spec.task)

@@ -39,6 +39,7 @@ from typing import Any, Callable, Optional, Protocol
 from evaluation.datasets import DatasetSpec, EvalSample, load_dataset
 from evaluation.metrics import accuracy, exact_match, extract_answer, math_equal, qa_f1
 from evaluation.report import aggregate_dataset, format_markdown, write_json_atomic, write_jsonl_atomic, write_text_atomic
+from megatron_arpo.data.fields import FieldKeys
 
 logger = logging.getLogger(__name__)
 
@@ -58,14 +59,15 @@ class EvalError(ValueError):
 class EvalSettings:
     model: str
     datasets: list[DatasetSpec]
-    data_dir: str
+    data_dir: Optional[str]
     out_dir: Path
     k: int = 1
     temperature: float = 0.6
     top_p: float = 0.95
     max_samples: Optional[int] = None
-    system_prompt: Optional[str] = None
+    system_prompt: Optional[str] = None    # the text, for rows without their own system prompt
     max_in_flight: int = 32
+    field_keys: FieldKeys = field(default_factory=FieldKeys)  # data.prompt_key / data.answer_key
     # Everything else that changes what is generated (response length, call limit, tools, seed, ...):
     # compared on resume.
     generation_meta: dict[str, Any] = field(default_factory=dict)
@@ -294,8 +296,12 @@ def _check_meta(out_dir: Path, meta: dict[str, Any]) -> None:
 
 # ------------------------------------------------------------------------------------------- the run
 def build_messages(sample: EvalSample, system_prompt: Optional[str]) -> list[dict[str, str]]:
-    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    return messages + [{"role": "user", "content": sample.question}]
+    """The chat prompt of ``sample``: the row's own prompt when it has one (ARPO parquet rows carry their
+    system prompt), the configured ``system_prompt`` (text) for rows without a system message."""
+    messages = list(sample.prompt) if sample.prompt else [{"role": "user", "content": sample.question}]
+    if messages[0]["role"] != "system" and system_prompt:
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    return messages
 
 
 async def _generate_dataset(spec: DatasetSpec, samples: list[EvalSample], settings: EvalSettings,
@@ -365,7 +371,8 @@ async def run_evaluation(settings: EvalSettings, generator: Generator, judge: An
     out_dir = Path(settings.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     # Load every dataset first, so a missing file fails before any engine time is spent.
-    loaded = [(spec, load_dataset(spec, settings.data_dir, settings.max_samples)) for spec in settings.datasets]
+    loaded = [(spec, load_dataset(spec, settings.data_dir, settings.max_samples, settings.field_keys))
+              for spec in settings.datasets]
     _check_meta(out_dir, settings.meta())
 
     counts: dict[str, dict[str, int]] = {}

@@ -120,14 +120,18 @@ BUILTIN_REWARDS = ("deep_research", "math", "qa_em", "qa_f1")
 class DataSection:
     train_files: list[str] = _f(factory=list, help="parquet/JSONL files")
     val_files: list[str] = _f(factory=list)
-    format: Literal["auto", "parquet", "jsonl"] = _f("auto", help="auto = from the file suffix")
-    prompt_key: Optional[str] = _f(None, help="null = the format's own: 'prompt' (parquet) / 'question' (jsonl)")
+    format: Literal["auto", "parquet", "jsonl", "json"] = _f("auto", help="auto = from the file suffix (docs/data.md)")
+    prompt_key: Optional[str] = _f(None, help="field holding the question or the prompt messages (RL, eval, SFT rows); "
+                                              "null = the accepted names of docs/data.md")
+    answer_key: Optional[str] = _f(None, help="field holding the gold answer (dotted: reward_model.ground_truth); "
+                                              "null = the accepted names of docs/data.md")
     max_prompt_tokens: int = _f(1536, ge=1, help="longer prompts are filtered out (counted)")
     on_bad_row: Literal["error", "skip"] = _f("error")
     shuffle: bool = _f(True)
     seed: int = _f(42, ge=0)
     drop_last: bool = _f(True)
-    system_prompt: Optional[str] = _f(None, help="JSONL system prompt; null = data.datasets.DEFAULT_SYSTEM_PROMPT")
+    system_prompt: Optional[str] = _f(None, help="for rows without their own: a built-in name (default, arpo, none) "
+                                                 "or the text; null = default")
     chat_template: Optional[str] = _f(None, help="Jinja file; null = the tokenizer's template")
     enable_thinking: Optional[bool] = _f(None, help="passed to the chat template (Qwen3: false = no-think mode); "
                                                     "null = the template's default")

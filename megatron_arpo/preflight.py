@@ -73,11 +73,15 @@ def check_data(cfg: Any, command: Command) -> None:
             if files:
                 load_prompt_files(files, fmt=d.format, on_bad_row=d.on_bad_row,
                                   system_prompt=d.system_prompt or DEFAULT_SYSTEM_PROMPT,
-                                  strict_answers=d.reward in BUILTIN_REWARDS)
+                                  strict_answers=d.reward in BUILTIN_REWARDS,
+                                  prompt_key=d.prompt_key, answer_key=d.answer_key)
     elif command == "sft":
         from megatron_arpo.data.sft import SFTDataError, iter_conversations
 
-        if sum(1 for _ in iter_conversations(cfg.sft.train_files, cfg.data.on_bad_row)) == 0:
+        from megatron_arpo.data.fields import FieldKeys
+
+        keys = FieldKeys(cfg.data.prompt_key, cfg.data.answer_key)
+        if sum(1 for _ in iter_conversations(cfg.sft.train_files, cfg.data.on_bad_row, keys=keys)) == 0:
             raise SFTDataError(f"no usable SFT conversation in {cfg.sft.train_files}")
 
 

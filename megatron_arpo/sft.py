@@ -72,6 +72,7 @@ def run_sft(cfg, resume: str = "auto") -> dict[str, Any]:
     from megatron_arpo.config import ConfigError
     from megatron_arpo.data.chat import load_chat_format
     from megatron_arpo.data.sampler import EpochSampler
+    from megatron_arpo.data.fields import FieldKeys
     from megatron_arpo.data.sft import load_sft_examples
     from megatron_arpo.trainer.checkpointing import ResumeError, is_due, resolve_resume
     from megatron_arpo.trainer.runtime import record_placement, with_absolute_paths
@@ -84,7 +85,8 @@ def run_sft(cfg, resume: str = "auto") -> dict[str, Any]:
     # The checkpoint's chat format (template, EOS ids, thinking prefix): SFT prompts are RL prompts.
     chat = load_chat_format(tokenizer, cfg.model.hf_checkpoint, tokenizer_dir=cfg.model.tokenizer,
                             chat_template_file=cfg.data.chat_template, enable_thinking=cfg.data.enable_thinking)
-    examples, stats = load_sft_examples(cfg.sft.train_files, chat, cfg.sft.max_seq_tokens, cfg.data.on_bad_row)
+    examples, stats = load_sft_examples(cfg.sft.train_files, chat, cfg.sft.max_seq_tokens, cfg.data.on_bad_row,
+                                        keys=FieldKeys(cfg.data.prompt_key, cfg.data.answer_key))
     batch_size = cfg.sft.global_batch_size
     total_steps = math.ceil(cfg.sft.epochs * len(examples) / batch_size)
     out_dir = sft_output_dir(cfg).resolve()

@@ -1,17 +1,17 @@
-"""Prompt datasets for RL: the ARPO RL parquet layout and plain question/answer JSONL.
+"""Prompt datasets for RL: ARPO's parquet rows, question/answer and alpaca rows (JSONL, JSON or parquet).
 
-ARPO parquet rows (docs/design/arpo_reference.md §7) carry ``prompt`` (chat messages, system + user),
-``reward_model.ground_truth``, ``data_source``, ``ability`` and ``extra_info``. Every shipped row has its
-``\\boxed`` corrupted into a backspace (0x08) followed by ``oxed`` (a non-raw Python string, Q13); we
-repair it on load so training and evaluation see the same prompt.
-
-JSONL rows are ``{"question": ..., "answer": ...}`` (optionally ``data_source``, ``ability``, ``id``);
-the configured system prompt is prepended.
+Rows are read by `megatron_arpo.data.fields` (the resolver evaluation and SFT use too): ARPO parquet rows
+carry ``prompt`` (chat messages, system + user), ``reward_model.ground_truth``, ``data_source``,
+``ability`` and ``extra_info``; other rows a question and an answer under the names fields.py accepts, or
+under ``data.prompt_key`` / ``data.answer_key``. A row's own system prompt is kept; rows without one get
+the configured prompt (``data.system_prompt``: a built-in name of `megatron_arpo.data.system_prompts` or
+the text). Every shipped ARPO row has its ``\\boxed`` corrupted into a backspace (0x08) followed by
+``oxed`` (a non-raw Python string, Q13); we repair it on load so training and evaluation see the same prompt.
 
 A malformed row raises ``DatasetError`` naming the file and the 1-based row number, or, with
 ``on_bad_row="skip"``, is skipped and counted in ``LoadStats``. Malformed includes a JSONL line that is not
 UTF-8 and, with ``strict_answers`` (the built-in rewards), an answer that is not a non-empty string or a
-non-empty list of strings (``[]``, ``{}``, ``42``): the rewards would only fail on it after a rollout.
+non-empty list of strings (``[]``, ``{}``); numbers are written as strings.
 """
 
 from __future__ import annotations
@@ -19,26 +19,20 @@ from __future__ import annotations
 import json
 import logging
 import os
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Optional, Sequence
 
+from megatron_arpo.data.fields import FieldKeys, RowError, detect_format, gold_value, iter_file_rows, resolve_prompt_row
+from megatron_arpo.data.system_prompts import DEFAULT_SYSTEM_PROMPT, resolve_system_prompt
 from megatron_arpo.errors import InputError
 
 logger = logging.getLogger(__name__)
 
-BACKSPACE_BOXED = "\x08oxed"
+__all__ = ["DEFAULT_SYSTEM_PROMPT", "DatasetError", "LoadStats", "PromptRecord", "check_answer", "filter_by_length",
+           "load_prompt_files", "load_prompts", "render_prompt", "repair_boxed"]
 
-# Our own wording of the tool-use instruction (same tag protocol as ARPO's system prompt, §1).
-DEFAULT_SYSTEM_PROMPT = (
-    "You are a helpful assistant that solves the user's question step by step. You may use two tools "
-    "while you think: a search engine and a python interpreter. Put your reasoning inside <think> "
-    "</think>. To search, write a query inside <search> </search>; to run code, write python inside "
-    "<python> </python>. The tool output is returned to you inside <result> </result>. When you are "
-    "done, give the final answer inside <answer> </answer>, with the exact answer written as "
-    "\\boxed{answer}."
-)
+BACKSPACE_BOXED = "\x08oxed"
 
 
 class DatasetError(InputError):
@@ -76,134 +70,63 @@ def repair_boxed(text: str) -> tuple[str, bool]:
     return text, False
 
 
-def _as_messages(value: Any, where: str) -> list[dict[str, str]]:
-    if hasattr(value, "tolist"):
-        value = value.tolist()
-    if not isinstance(value, (list, tuple)) or not value:
-        raise DatasetError(f"{where}: 'prompt' must be a non-empty list of chat messages, got {value!r:.80}")
-    messages = []
-    for msg in value:
-        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str) or not isinstance(
-            msg.get("content"), str
-        ):
-            raise DatasetError(f"{where}: each prompt message needs string 'role' and 'content', got {msg!r:.80}")
-        if msg["role"] not in ("system", "user", "assistant"):
-            raise DatasetError(f"{where}: message role {msg['role']!r} is not one of system/user/assistant")
-        messages.append({"role": msg["role"], "content": msg["content"]})
-    if messages[-1]["role"] != "user":
-        raise DatasetError(f"{where}: the last prompt message must be the user's question")
-    return messages
-
-
 def check_answer(value: Any, where: str, key: str) -> None:
-    """The built-in rewards take a non-empty string or a non-empty list of non-empty strings."""
-    if isinstance(value, str):
-        if value.strip():
-            return
-    elif isinstance(value, (list, tuple)) and value and all(isinstance(v, str) and v.strip() for v in value):
+    """The built-in rewards take a non-empty string or a non-empty list of non-empty strings (numbers are
+    written as strings, `fields.gold_value`)."""
+    gold = gold_value(value)
+    if isinstance(gold, str) or (isinstance(gold, list) and all(v.strip() for v in gold)):
         return
     shown = json.dumps(value, default=str)
     raise DatasetError(f"{where}: {key!r} is {shown[:60]} ({type(value).__name__}); the rewards need a non-empty "
-                       f"string or a non-empty list of strings (write a number as a string, e.g. \"42\")")
+                       f"string, number or a non-empty list of them")
 
 
-def _parquet_row(row: dict[str, Any], where: str, index: int, stats: LoadStats,
-                 strict_answers: bool = True) -> PromptRecord:
-    messages = _as_messages(row.get("prompt"), where)
+def _record(row: Any, where: str, index: int, stats: LoadStats, system_prompt: Optional[str], default_source: str,
+            keys: FieldKeys, strict_answers: bool) -> PromptRecord:
+    try:
+        resolved = resolve_prompt_row(row, where, keys)
+    except RowError as exc:
+        raise DatasetError(str(exc)) from None
+    messages = [dict(m) for m in resolved.messages]
+    if not resolved.own_system and system_prompt:
+        messages.insert(0, {"role": "system", "content": system_prompt})
     for msg in messages:
         msg["content"], fixed = repair_boxed(msg["content"])
         stats.repaired_boxed += int(fixed)
-    reward_model = row.get("reward_model")
-    if not isinstance(reward_model, dict) or "ground_truth" not in reward_model:
-        raise DatasetError(f"{where}: 'reward_model' must be a mapping with a 'ground_truth' key")
-    truth = reward_model["ground_truth"]
-    if hasattr(truth, "tolist"):
-        truth = truth.tolist()
-    if truth is None or (isinstance(truth, str) and not truth.strip()):
-        raise DatasetError(f"{where}: reward_model.ground_truth is empty")
+    truth = resolved.answer
+    if resolved.answer_key is not None and (truth is None or (isinstance(truth, str) and not truth.strip())):
+        raise DatasetError(f"{where}: {resolved.answer_key} is empty")
+    if resolved.answer_key is None:
+        raise DatasetError(f"{where}: no gold answer; expected reward_model.ground_truth or one of the fields "
+                           f"answer, Final answer, final_answer, golden_answers, ground_truth (alpaca: output), found "
+                           f"fields {sorted(row)}; name another with data.answer_key")
     if strict_answers:
-        check_answer(truth, where, "reward_model.ground_truth")
-    data_source = row.get("data_source")
-    if not isinstance(data_source, str) or not data_source:
-        raise DatasetError(f"{where}: 'data_source' must be a non-empty string")
-    extra = row.get("extra_info") or {}
-    if not isinstance(extra, dict):
+        check_answer(truth, where, resolved.answer_key)
+        truth = gold_value(truth)
+    source = row.get("data_source")
+    source = source if isinstance(source, str) and source else default_source
+    extra = row.get("extra_info")
+    if extra is not None and not isinstance(extra, dict):
         raise DatasetError(f"{where}: 'extra_info' must be a mapping, got {type(extra).__name__}")
-    uid = str(extra.get("index", index))
-    return PromptRecord(uid=f"{data_source}-{uid}", messages=tuple(messages), ground_truth=truth,
-                        data_source=data_source, ability=row.get("ability"), extra_info=dict(extra))
-
-
-def _jsonl_row(row: Any, where: str, index: int, system_prompt: str | None, default_source: str,
-               strict_answers: bool = True) -> PromptRecord:
-    if not isinstance(row, dict):
-        raise DatasetError(f"{where}: expected a JSON object, got {type(row).__name__}")
-    question = row.get("question")
-    if not isinstance(question, str) or not question.strip():
-        raise DatasetError(f"{where}: 'question' must be a non-empty string")
-    if "answer" not in row or row["answer"] is None or row["answer"] == "":
-        raise DatasetError(f"{where}: 'answer' is missing or empty")
-    if strict_answers:
-        check_answer(row["answer"], where, "answer")
-    messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
-        {"role": "user", "content": question}
-    ]
-    source = row.get("data_source", default_source)
-    return PromptRecord(uid=f"{source}-{row.get('id', index)}", messages=tuple(messages),
-                        ground_truth=row["answer"], data_source=str(source), ability=row.get("ability"),
-                        extra_info={k: v for k, v in row.items() if k not in ("question", "answer")})
-
-
-def _detect_format(path: Path, fmt: str) -> str:
-    if fmt != "auto":
-        if fmt not in ("parquet", "jsonl"):
-            raise DatasetError(f"data format {fmt!r} is not supported; use auto, parquet or jsonl")
-        return fmt
-    if path.suffix == ".parquet":
-        return "parquet"
-    if path.suffix in (".jsonl", ".json"):
-        return "jsonl"
-    raise DatasetError(f"{path}: cannot tell the format from the extension; set data.format to parquet or jsonl")
-
-
-def _iter_rows(path: Path, fmt: str) -> Iterable[tuple[int, Any, str | None]]:
-    """Yield (1-based row number, row or None, parse error or None)."""
-    if fmt == "parquet":
-        import pyarrow.parquet as pq
-
-        try:
-            table = pq.read_table(path)
-        except Exception as exc:  # pyarrow raises several types for corrupt files
-            raise DatasetError(f"{path}: not a readable parquet file ({exc})") from exc
-        for i, row in enumerate(table.to_pylist(), start=1):
-            yield i, row, None
-        return
-    with open(path, "rb") as fh:  # decoded per line, so one bad line names its row and can be skipped
-        for i, raw in enumerate(fh, start=1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                yield i, None, f"not UTF-8 text (byte 0x{raw[exc.start]:02x} at column {exc.start + 1})"
-                continue
-            if not line.strip():
-                continue
-            try:
-                yield i, json.loads(line), None
-            except json.JSONDecodeError as exc:
-                yield i, None, f"invalid JSON ({exc.msg} at column {exc.colno})"
-            except RecursionError:
-                yield i, None, f"JSON nested too deeply (deeper than Python's recursion limit of " \
-                               f"{sys.getrecursionlimit()}); flatten the row"
+    if extra is None:
+        extra = {k: v for k, v in resolved.extra.items() if k not in ("data_source", "ability")}
+    uid = resolved.row_id if resolved.row_id is not None else str(index)
+    return PromptRecord(uid=f"{source}-{uid}", messages=tuple(messages), ground_truth=truth, data_source=source,
+                        ability=row.get("ability"), extra_info=dict(extra))
 
 
 def load_prompts(
     path: str | os.PathLike,
     fmt: str = "auto",
     on_bad_row: str = "error",
-    system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
+    system_prompt: Optional[str] = DEFAULT_SYSTEM_PROMPT,
     strict_answers: bool = True,
+    prompt_key: Optional[str] = None,
+    answer_key: Optional[str] = None,
 ) -> tuple[list[PromptRecord], LoadStats]:
-    """Load one dataset file into PromptRecords (``strict_answers``: see the module docstring)."""
+    """Load one dataset file into PromptRecords. ``system_prompt``: a built-in name or the text, for rows
+    without their own; ``prompt_key`` / ``answer_key``: ``data.prompt_key`` / ``data.answer_key``
+    (``strict_answers``: see the module docstring)."""
     if on_bad_row not in ("error", "skip"):
         raise DatasetError(f"on_bad_row {on_bad_row!r} is not supported; use error or skip")
     path = Path(path)
@@ -213,20 +136,22 @@ def load_prompts(
         raise DatasetError(f"dataset file {path} does not exist; check data.train_files / data.val_files")
     if path.is_dir():
         raise DatasetError(f"dataset file {path} is a directory; list the parquet/JSONL files inside it")
-    fmt = _detect_format(path, fmt)
+    system_text = resolve_system_prompt(system_prompt) if system_prompt else None
+    keys = FieldKeys(prompt_key=prompt_key, answer_key=answer_key)
     stats = LoadStats(path=str(path))
     records: list[PromptRecord] = []
-    for number, row, parse_error in _iter_rows(path, fmt):
+    try:
+        fmt = detect_format(path, fmt)
+        rows = list(iter_file_rows(path, fmt))
+    except RowError as exc:
+        raise DatasetError(str(exc)) from None
+    for number, row, parse_error in rows:
         stats.rows += 1
         where = f"{path} row {number}"
         try:
             if parse_error:
                 raise DatasetError(f"{where}: {parse_error}")
-            if fmt == "parquet":
-                record = _parquet_row(row, where, number - 1, stats, strict_answers)
-            else:
-                record = _jsonl_row(row, where, number - 1, system_prompt, default_source=path.stem,
-                                    strict_answers=strict_answers)
+            record = _record(row, where, number - 1, stats, system_text, path.stem, keys, strict_answers)
         except RecursionError:  # a deep value that parsed, met by a recursive check of the row
             exc = DatasetError(f"{where}: JSON nested too deeply; flatten the row")
             if on_bad_row == "error":

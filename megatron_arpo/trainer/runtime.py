@@ -73,7 +73,8 @@ def load_prompt_set(files: list[str], data: Any, chat: Any) -> PromptSet:
 
     records, stats = load_prompt_files(files, fmt=data.format, on_bad_row=data.on_bad_row,
                                        system_prompt=data.system_prompt or DEFAULT_SYSTEM_PROMPT,
-                                       strict_answers=data.reward in BUILTIN_REWARDS)
+                                       strict_answers=data.reward in BUILTIN_REWARDS,
+                                       prompt_key=data.prompt_key, answer_key=data.answer_key)
     token_ids = [render_prompt(chat, r) for r in records]
     keep, dropped = filter_by_length(records, token_ids, data.max_prompt_tokens)
     for s in stats:

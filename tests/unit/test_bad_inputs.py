@@ -183,10 +183,9 @@ CASES = [
     Case("answer is []", data_file("qa.jsonl", [GOOD, {"question": "q?", "answer": []}]),
          ("qa.jsonl row 2: 'answer' is [] (list)", "data.on_bad_row: skip")),
     Case("answer is {}", data_file("qa.jsonl", [{"question": "q?", "answer": {}}]), ("qa.jsonl row 1: 'answer' is {} (dict)",)),
-    Case("answer is a number", data_file("qa.jsonl", [GOOD, GOOD, {"question": "q?", "answer": 42}]),
-         ("qa.jsonl row 3: 'answer' is 42 (int)", 'write a number as a string, e.g. "42"')),
-    Case("answer list holds a number", data_file("qa.jsonl", [{"question": "q?", "answer": ["a", 7]}]),
-         ("qa.jsonl row 1: 'answer' is [\"a\", 7] (list)",)),
+    # Numbers are answers (written as strings, as evaluation reads them); a mapping is not.
+    Case("answer list holds a mapping", data_file("qa.jsonl", [GOOD, GOOD, {"question": "q?", "answer": ["a", {}]}]),
+         ("qa.jsonl row 3: 'answer' is [\"a\", {}] (list)", "non-empty string, number or a non-empty list")),
     Case("non-UTF-8 JSONL row", data_file("qa.jsonl", [GOOD, b'{"question": "caf\xff?", "answer": "x"}\n']),
          ("qa.jsonl row 2: not UTF-8 text (byte 0xff at column 18)",)),
     Case("invalid JSON row", data_file("qa.jsonl", [GOOD, b"{not json\n"]), ("qa.jsonl row 2: invalid JSON",)),
@@ -202,7 +201,7 @@ CASES = [
          ("sft.jsonl:1: turn 0 has role 'robot'",)),
     Case("SFT non-UTF-8 row", sft_file("sft.jsonl", json.dumps(SFT_ROW).encode() + b"\n\xc3\x28\n"),
          ("sft.jsonl:2: not UTF-8 text (byte 0xc3 at column 1)",)),
-    Case("SFT file of the wrong kind", sft_file("sft.txt", b"hello"), ("sft.txt: SFT files must end in .json",)),
+    Case("SFT file of the wrong kind", sft_file("sft.txt", b"hello"), ("sft.txt: cannot tell the format from the suffix '.txt'", "name the file .parquet / .jsonl")),
     Case("sft command with a bad row", sft_file("sft.jsonl", (json.dumps(SFT_ROW) + "\n[1, 2]\n").encode(), "sft"),
          ("sft.jsonl:2: expected an object with 'conversations', got list",)),
     # -- the train command: input errors are exit 2, not 1
@@ -598,7 +597,7 @@ def test_bad_input_exits_2_naming_it(case, tmp_path, capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["config path is a directory", "non-UTF-8 YAML", "duplicate section",
-                                  "answer is a number", "launch slurm with 0 nodes"])
+                                  "answer list holds a mapping", "launch slurm with 0 nodes"])
 def test_the_console_entry_point_behaves_the_same(name, tmp_path):
     case = next(c for c in CASES if c.name == name)
     argv = case.make(tmp_path)

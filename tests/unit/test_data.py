@@ -1,6 +1,7 @@
 """Datasets (ARPO parquet, JSONL) and the checkpointable sampler."""
 
 import json
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -74,13 +75,15 @@ def test_jsonl_rows_and_bad_lines(tmp_path):
     with pytest.raises(DatasetError, match=r"qa\.jsonl row 2: invalid JSON"):
         load_prompts(path)
     records, stats = load_prompts(path, on_bad_row="skip", system_prompt="SYS")
-    # A number is no answer the built-in rewards can score: skipped (or refused) at load, not after a rollout.
-    assert stats.skipped_bad == 3 and [r.ground_truth for r in records] == ["Paris"]
-    assert "'answer' is 2 (int)" in stats.errors[2]
+    # A number is written as a string for the built-in rewards (the evaluation loader does the same).
+    assert stats.skipped_bad == 2 and [r.ground_truth for r in records] == ["Paris", "2"]
     assert records[0].messages[0] == {"role": "system", "content": "SYS"}
     assert records[0].data_source == "qa"
     records, stats = load_prompts(path, on_bad_row="skip", strict_answers=False)  # a custom reward's choice
     assert stats.skipped_bad == 2 and [r.ground_truth for r in records] == ["Paris", 2]
+    (tmp_path / "empty.jsonl").write_text(json.dumps({"question": "q", "answer": []}) + "\n")
+    with pytest.raises(DatasetError, match="'answer' is \\[\\] \\(list\\)"):
+        load_prompts(tmp_path / "empty.jsonl")
 
 
 def test_missing_file_and_duplicate_ids(tmp_path):
@@ -128,3 +131,25 @@ def test_sampler_rejects_state_for_other_dataset():
     s = EpochSampler(num_items=7, batch_size=3, seed=1)
     with pytest.raises(ValueError, match="saved for 8 prompts"):
         s.load_state_dict({"epoch": 0, "position": 1, "num_items": 8, "seed": 1})
+
+
+def test_named_system_prompts_and_the_rows_own(tmp_path):
+    from megatron_arpo.config import load_config
+    from megatron_arpo.data.system_prompts import ARPO_SYSTEM_PROMPT, DEFAULT_SYSTEM_PROMPT
+    from megatron_arpo.errors import InputError
+
+    path = tmp_path / "qa.jsonl"
+    path.write_text(json.dumps({"question": "q?", "answer": "a"}) + "\n"
+                    + json.dumps({"question": "q2?", "answer": "b", "system": "Own prompt."}) + "\n")
+    for name, text in (("arpo", ARPO_SYSTEM_PROMPT), ("default", DEFAULT_SYSTEM_PROMPT), ("Literal text.", "Literal text.")):
+        records, _ = load_prompts(path, system_prompt=name)
+        assert records[0].messages[0] == {"role": "system", "content": text}
+        assert records[1].messages[0] == {"role": "system", "content": "Own prompt."}
+    with pytest.raises(InputError, match="'arp0' is not a built-in prompt \\(default, arpo, none\\)"):
+        load_prompts(path, system_prompt="arp0")
+    records, _ = load_prompts(path, system_prompt="none")
+    assert [m["role"] for m in records[0].messages] == ["user"]
+    assert "\\boxed{answer here}" in ARPO_SYSTEM_PROMPT and "\x08" not in ARPO_SYSTEM_PROMPT
+    for recipe in ("qwq-32b-arpo-deepsearch", "qwen3-32b-arpo-reasoning"):
+        cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / f"{recipe}.yaml")
+        assert cfg.data.system_prompt == "arpo"
