@@ -94,3 +94,16 @@ def test_plot_without_metrics_is_an_input_error(tmp_path, capsys, content):
     assert "megatron-arpo plot: error:" in err and str(tmp_path) in err
     assert ("no metrics.jsonl" in err) == (content is None)
     assert main(["plot", str(tmp_path / "absent")]) == 2
+
+
+def test_demo_summary_embeds_its_curve(tmp_path):
+    from types import SimpleNamespace
+
+    from megatron_arpo.demo import write_summary
+
+    write_run(tmp_path, steps=6, val_every=3)
+    demo = SimpleNamespace(run_dir=tmp_path, config="configs/demo.yaml", seed=0, stage_seconds=lambda stage: None,
+                           cfg=SimpleNamespace(data=SimpleNamespace(reward="deep_research")))
+    text = write_summary(demo)["markdown"]
+    assert "](plots/curves.png)" in text and text == (tmp_path / "summary.md").read_text()
+    _check_png(tmp_path / "plots" / "curves.png")
