@@ -174,3 +174,25 @@ def test_the_filter_targets_vllms_logger_and_message():
     source = inspect.getsource(base.RotaryEmbeddingBase)
     assert 'self.register_buffer("cos_sin_cache", cache, persistent=False)' in source
     assert "Parameter(" not in source
+
+
+def test_evaluation_reports_progress_per_dataset(tmp_path, caplog):
+    import asyncio
+    from pathlib import Path
+
+    from evaluation.datasets import parse_dataset_names
+    from evaluation.runner import EvalSettings, Generation, run_evaluation
+
+    class Answer42:
+        async def generate(self, sample, run, messages):
+            return Generation(trajectory={}, response_text="<answer>\\boxed{42}</answer>", finish_reason="stop",
+                              num_response_tokens=12, tool_calls=[])
+
+    mini = Path(__file__).resolve().parents[2] / "evaluation" / "data" / "mini"
+    settings = EvalSettings(model="m", datasets=parse_dataset_names("gsm8k"), data_dir=str(mini),
+                            out_dir=tmp_path / "out", k=1, temperature=0.0, max_samples=3)
+    caplog.set_level(logging.INFO, logger=LOGGER_NAME)
+    asyncio.run(run_evaluation(settings, Answer42()))
+    lines = _lines(caplog)
+    assert lines[0].startswith("eval gsm8k: 1/3 samples (33%) |") and "tok/s" in lines[0]
+    assert lines[-1].startswith("eval gsm8k: 3/3 samples (100%) |") and lines[-1].endswith("ETA 0 s")
