@@ -21,6 +21,8 @@ import sys
 import time
 from typing import IO, Any, Callable
 
+from tqdm import tqdm
+
 LOGGER_NAME = "megatron_arpo.progress"
 logger = logging.getLogger(LOGGER_NAME)
 
@@ -92,8 +94,6 @@ class Progress:
         stream = sys.stderr if stream is None else stream
         self._bar = None
         if is_terminal(stream) if bar is None else bar:
-            from tqdm import tqdm  # only on a terminal
-
             self._bar = tqdm(total=total, initial=done, desc=what, unit=unit, file=stream, dynamic_ncols=True,
                              mininterval=1.0, leave=True)
 
