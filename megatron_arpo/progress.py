@@ -78,19 +78,16 @@ class Progress:
 
     def __init__(self, what: str, total: int | None, *, unit: str = "step", done: int = 0,
                  rate_unit: str | None = None, interval_s: float = DEFAULT_INTERVAL_S, stream: IO | None = None,
-                 bar: bool | None = None, clock: Callable[[], float] = time.monotonic,
-                 log: logging.Logger | None = None):
+                 bar: bool | None = None, clock: Callable[[], float] = time.monotonic):
         self.what, self.total, self.unit, self.rate_unit = what, total, unit, rate_unit
         self.interval_s = interval_s
         self.clock = clock
-        self.log = log or logger
         self.done = done
         self.start = self._mark = clock()
         self._mark_done, self._mark_amount, self.amount = done, 0.0, 0.0
         self._last_line: float | None = None
         self._step_s = float("nan")
         self._rate = float("nan")
-        self.lines: list[str] = []
         stream = sys.stderr if stream is None else stream
         self._bar = None
         if is_terminal(stream) if bar is None else bar:
@@ -154,10 +151,8 @@ class Progress:
             self._emit(now)
 
     def _emit(self, now: float) -> None:
-        line = self.status()
         self._last_line = now
-        self.lines.append(line)
-        self.log.info(line)
+        logger.info(self.status())
 
     def close(self) -> None:
         """Closes the bar; writes the final line when units were done since the last one."""
