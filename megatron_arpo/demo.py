@@ -66,7 +66,7 @@ def relay_stage_output(lines: Iterable[str], log: IO[str], stage: str) -> None:
     carriage-return-redrawn line; its progress lines (``megatron_arpo.progress``) also go to the console."""
     marker = f" {PROGRESS_LOGGER}: "
     for line in lines:
-        text = strip_ansi(line.rstrip("\n")).rsplit("\r", 1)[-1]
+        text = strip_ansi(line.rstrip("\r\n")).rsplit("\r", 1)[-1]
         log.write(text + "\n")
         log.flush()
         if marker in text:

@@ -55,7 +55,9 @@ def test_demo_runs_every_stage_and_writes_the_summary(tmp_path):
     for stage, what in (("sft", "sft"), ("before", "eval "), ("train", "train")):
         assert f"[{stage}] {what}" in proc.stderr, (stage, proc.stderr[-3000:])
     for log in (run_dir / "logs").glob("*.log"):
-        assert "\x1b" not in log.read_text(errors="replace"), log
+        assert b"\x1b" not in log.read_bytes() and b"\r" not in log.read_bytes(), log
+    # vLLM's rotary warning after each weight sync is filtered in its worker processes.
+    assert "Failed to load weights" not in (run_dir / "logs" / "train.log").read_text()
     assert "| all |" in proc.stdout
 
     # Resumable: a second run finds every stage complete and only rewrites the summary.

@@ -128,6 +128,7 @@ def test_demo_stage_log_is_clean_and_progress_lines_reach_the_console(caplog):
     out = [
         "12:00:01 I megatron_arpo.sft: SFT: 64 conversations\n",
         "Loading: 10%|#         | 1/10\rLoading: 100%|##########| 10/10\n",
+        "(EngineCore pid=29522) INFO [ompmultiprocessing.py:185] OpenMP thread binding info: \r\n",
         f"12:00:31 I {LOGGER_NAME}: sft: 4/40 steps (10%) | 7.5 s/step | 900 tok/s | elapsed 30 s | ETA 4.5 min\n",
         RAY_LINE,
     ]
@@ -136,6 +137,7 @@ def test_demo_stage_log_is_clean_and_progress_lines_reach_the_console(caplog):
     text = log.getvalue()
     assert "\x1b" not in text and "\r" not in text
     assert text.splitlines()[1] == "Loading: 100%|##########| 10/10"  # the last state of the redrawn bar
+    assert text.splitlines()[2].endswith("binding info: ")  # a CRLF line keeps its text
     console = [r.getMessage() for r in caplog.records if r.name == "megatron_arpo.demo"]
     assert console == ["[sft] sft: 4/40 steps (10%) | 7.5 s/step | 900 tok/s | elapsed 30 s | ETA 4.5 min"]
 
