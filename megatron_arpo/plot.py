@@ -145,9 +145,11 @@ def plot_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = Non
 
 
 def plot_main(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(prog=f"{PROG} plot", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog=f"{PROG} plot", description=(
+        "PNG learning curves (reward, accuracy, tool calls, entropy, KL, step time; SFT loss) from a run's "
+        "metrics.jsonl; the keys are explained in docs/metrics.md."))
     parser.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (trainer.run_dir) holding metrics.jsonl")
-    parser.add_argument("--out", default=None, help="directory for the PNGs (default: RUN_DIR/plots)")
+    parser.add_argument("--out", default=None, metavar="DIR", help="directory for the PNGs (default: RUN_DIR/plots)")
     args = parser.parse_args(list(argv))
     for path in plot_run(args.run_dir, args.out):
         print(path)
