@@ -107,3 +107,14 @@ def test_demo_summary_embeds_its_curve(tmp_path):
     text = write_summary(demo)["markdown"]
     assert "](plots/curves.png)" in text and text == (tmp_path / "summary.md").read_text()
     _check_png(tmp_path / "plots" / "curves.png")
+
+
+def test_train_and_the_cli_do_not_import_matplotlib_or_tensorboard():
+    import subprocess
+    import sys
+
+    code = ("import sys, megatron_arpo.cli, megatron_arpo.train, megatron_arpo.tracking, megatron_arpo.plot, "
+            "megatron_arpo.demo, megatron_arpo.trainer.runtime; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('matplotlib', 'tensorboard')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
+    assert out.stdout.strip() == "[]", out.stdout
