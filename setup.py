@@ -29,6 +29,10 @@ BASE = [
     "bm25s>=0.2",
     "math-verify>=0.7",
     "aiohttp>=3.9",
+    # `megatron-arpo plot` and `logging.tensorboard`: base, not an extra, because air-gapped GPU nodes cannot
+    # pip-install them when a run needs them; both are imported only on those code paths.
+    "matplotlib>=3.7",
+    "tensorboard>=2.14",
 ]
 
 setup(

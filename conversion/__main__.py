@@ -20,6 +20,7 @@ from megatron_arpo.errors import as_symlink_loop
 from megatron_arpo.hf.config_json import FieldChange
 from megatron_arpo.hf.checkpoint_io import parse_size
 from megatron_arpo.device.quiet import quiet_cpu_warnings
+from megatron_arpo.progress import LOGGER_NAME as PROGRESS_LOGGER
 
 
 def _model_cfg(path):
@@ -121,6 +122,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger(PROGRESS_LOGGER).setLevel(logging.INFO)  # minutes at 32B: progress lines even without -v
     if args.command == "verify":
         args.tp = args.tp or (1 if args.pp else 0)
         args.pp = args.pp or (1 if args.tp else 0)

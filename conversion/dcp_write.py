@@ -57,6 +57,7 @@ from conversion import torch_pickle as tp_pickle
 from conversion.torch_record import BLOCK, Segment, saved_object, write_tensor_record
 from megatron_arpo.model_config import ModelConfig
 from megatron_arpo.fsutil import WriteBehind
+from megatron_arpo.progress import Progress
 
 if TYPE_CHECKING:
     import torch
@@ -261,6 +262,8 @@ def write_torch_dist(reader: HFCheckpointReader, cfg: ModelConfig, out: Path, tp
     files: dict[Path, int] = {}
     buffer = bytearray(BLOCK)
     copied = 0
+    chunks = _layer_order(layout)
+    report = Progress("hf-to-megatron", len(chunks), unit="chunk", rate_unit="MB")
     fd = os.open(out / DATA_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     behind = WriteBehind(fd)  # written back as it grows, its pages dropped from the page cache
     try:
@@ -268,7 +271,7 @@ def write_torch_dist(reader: HFCheckpointReader, cfg: ModelConfig, out: Path, tp
             offset = os.lseek(fd, 0, os.SEEK_CUR)
             behind.appended(os.write(fd, extra_state))
             storage[tp_pickle.metadata_index(key)] = tp_pickle.storage_info(DATA_FILE, offset, len(extra_state))
-        for saved, index, chunk in _layer_order(layout):
+        for saved, index, chunk in chunks:
             segments = copy_segments(reader, cfg, chunk, dtype_name, files)
             tensor = None
             if segments is None:
@@ -284,7 +287,9 @@ def write_torch_dist(reader: HFCheckpointReader, cfg: ModelConfig, out: Path, tp
             storage[tp_pickle.metadata_index(saved.key, chunk.offsets, index)] = tp_pickle.storage_info(
                 DATA_FILE, offset, length)
             del tensor, segments
+            report.update(1, length / 1e6)
         behind.finish()
+        report.close()
     finally:
         os.close(fd)
         resolver.close()

@@ -46,6 +46,7 @@ from megatron_arpo.hf import mapping
 from conversion.dcp_read import MEGATRON_METADATA, DistCheckpointReader, check_megatron_metadata
 from megatron_arpo.hf.checkpoint_io import ELEMENT_SIZES, TensorSpec, copy_tokenizer_files, dtype_name, write_json
 from megatron_arpo.model_config import ModelConfig, model_config_from_dict
+from megatron_arpo.progress import Progress
 
 if TYPE_CHECKING:
     import torch
@@ -193,13 +194,17 @@ def convert_megatron_to_hf(megatron_dir: str | os.PathLike, out: str | os.PathLi
         with atomic_output_dir(out, overwrite) as tmp:
             writer = SafetensorsShardWriter(tmp, specs, max_shard_size)
             copied = 0
+            nbytes = {spec.name: spec.nbytes for spec in specs}
+            report = Progress("megatron-to-hf", len(specs), unit="tensor", rate_unit="MB")
             try:
                 for rule in rules:
                     if byte_copy and copy_rule_bytes(reader, writer, model_cfg, rule):
                         copied += len(rule.hf_outputs)
-                        continue
-                    for name, tensor in read_rule_tensors(reader, model_cfg, rule).items():
-                        writer.write(name, tensor)
+                    else:
+                        for name, tensor in read_rule_tensors(reader, model_cfg, rule).items():
+                            writer.write(name, tensor)
+                    report.update(len(rule.hf_outputs), sum(nbytes[n] for n in rule.hf_outputs) / 1e6)
+                report.close()
                 reader.finish_checks()  # the byte-copied chunks, checked alongside the copies
                 writer.close()
             except BaseException:

@@ -40,6 +40,7 @@ from evaluation.datasets import DatasetSpec, EvalSample, load_dataset
 from evaluation.metrics import accuracy, exact_match, extract_answer, math_equal, qa_f1
 from evaluation.report import aggregate_dataset, format_markdown, write_json_atomic, write_jsonl_atomic, write_text_atomic
 from megatron_arpo.data.fields import FieldKeys
+from megatron_arpo.progress import Progress
 
 logger = logging.getLogger(__name__)
 
@@ -316,10 +317,9 @@ async def _generate_dataset(spec: DatasetSpec, samples: list[EvalSample], settin
         logger.info("%s: %d of %d (sample, run) pairs already done; generating %d", spec.name, skipped,
                     len(samples) * settings.k, len(todo))
     semaphore = asyncio.Semaphore(settings.max_in_flight)
-    finished = 0
+    report = Progress(f"eval {spec.name}", len(todo), unit="sample", rate_unit="tok")
 
     async def one(sample: EvalSample, run: int) -> None:
-        nonlocal finished
         async with semaphore:
             start = time.monotonic()
             gen = await generator.generate(sample, run, build_messages(sample, settings.system_prompt))
@@ -335,9 +335,7 @@ async def _generate_dataset(spec: DatasetSpec, samples: list[EvalSample], settin
             "response_text": gen.response_text, "tool_calls": gen.tool_calls,
             "latency_s": time.monotonic() - start, "trajectory": gen.trajectory,
         })
-        finished += 1
-        if finished % 50 == 0 or finished == len(todo):
-            logger.info("%s: %d/%d generated", spec.name, finished, len(todo))
+        report.update(1, float(gen.num_response_tokens))
 
     tasks = [asyncio.ensure_future(one(s, run)) for s, run in todo]
     try:
@@ -347,6 +345,8 @@ async def _generate_dataset(spec: DatasetSpec, samples: list[EvalSample], settin
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
+    finally:
+        report.close()
     return {"generated": len(todo), "skipped": skipped}
 
 

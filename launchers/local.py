@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import IO, Sequence
 
 from megatron_arpo.fsutil import atomic_write
+from megatron_arpo.progress import is_terminal, strip_ansi_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -139,10 +140,13 @@ def _write_config(cfg, run_dir: Path) -> Path:
 
 
 def _pump(src: IO[bytes], sinks: Sequence[IO[bytes]]) -> None:
+    """Copies each line to every sink; a sink that is not a terminal (the log file) gets it without the ANSI
+    colour codes that Ray's worker-output prefixes and some libraries' loggers carry."""
+    plain = [not is_terminal(sink) for sink in sinks]
     for line in iter(src.readline, b""):
-        for sink in sinks:
+        for sink, strip in zip(sinks, plain):
             try:
-                sink.write(line)
+                sink.write(strip_ansi_bytes(line) if strip else line)
                 sink.flush()
             except (OSError, ValueError):
                 pass  # a closed console must not stop the log

@@ -51,6 +51,7 @@ COMMANDS: tuple[Command, ...] = (
     Command("plan", "launchers.cli", "plan_main", "per-GPU memory plan: does this config fit?"),
     Command("demo", "megatron_arpo.demo", "demo_main", "the end-to-end CPU demo: SFT, ARPO, evaluation"),
     Command("doctor", "megatron_arpo.doctor", "doctor_main", "check a GPU node's stack: torch/CUDA, NCCL, TE, vLLM, run dir"),
+    Command("plot", "megatron_arpo.plot", "plot_main", "PNG learning curves of a run from its metrics.jsonl"),
 )
 
 

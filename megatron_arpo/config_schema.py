@@ -183,7 +183,8 @@ class WandbSection:
 class LoggingSection:
     wandb: WandbSection = _f(factory=WandbSection)
     console_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = _f("INFO")
-    progress_bars: bool = _f(True)
+    progress_bars: bool = _f(True, help="bars on a terminal (false: plain lines there too); a log file always gets a progress line every 30 s")
+    tensorboard: bool = _f(False, help="also write TensorBoard scalars to <run_dir>/tensorboard (tensorboard --logdir)")
     metrics_jsonl: bool = _f(True, help="write <run_dir>/metrics.jsonl")
     save_rollout_records: bool = _f(False, help="write <run_dir>/rollouts/step-N.jsonl (+ .stats.json) each step; train --replay-rollouts <run_dir>/rollouts trains on them without engines")
 

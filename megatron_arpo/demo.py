@@ -42,9 +42,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import IO, Any, Iterable, Sequence
 
+from megatron_arpo.errors import InputError
 from megatron_arpo.fsutil import atomic_write
+from megatron_arpo.plot import OVERVIEW, plot_run
+from megatron_arpo.progress import LOGGER_NAME as PROGRESS_LOGGER, strip_ansi
 from megatron_arpo.redaction import install_log_redaction
 from megatron_arpo.command_args import PROG, add_config_arguments
 
@@ -56,6 +59,18 @@ DONE_SUFFIX = ".done.json"
 
 def _seconds(t: float) -> str:
     return f"{t / 60:.1f} min" if t >= 60 else f"{t:.0f} s"
+
+
+def relay_stage_output(lines: Iterable[str], log: IO[str], stage: str) -> None:
+    """Copies a stage's output into its log file, without ANSI codes and with only the last state of a
+    carriage-return-redrawn line; its progress lines (``megatron_arpo.progress``) also go to the console."""
+    marker = f" {PROGRESS_LOGGER}: "
+    for line in lines:
+        text = strip_ansi(line.rstrip("\r\n")).rsplit("\r", 1)[-1]
+        log.write(text + "\n")
+        log.flush()
+        if marker in text:
+            logger.info("[%s] %s", stage, text.split(marker, 1)[1])
 
 
 class Demo:
@@ -133,7 +148,14 @@ class Demo:
         with open(log_path, "a") as log:
             log.write(f"\n$ {' '.join(cmd)}\n")
             log.flush()
-            proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=self._env())
+            # Bytes, split at \n only: text mode would turn every \r of a redrawn bar into a line of its own.
+            with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=self._env()) as proc:
+                try:
+                    relay_stage_output((b.decode("utf-8", "replace") for b in proc.stdout), log, stage)
+                    proc.wait()
+                except BaseException:  # Ctrl-C: the stage does not outlive the demo
+                    proc.kill()
+                    raise
         if proc.returncode != 0:
             tail = "".join(log_path.read_text(errors="replace").splitlines(keepends=True)[-25:])
             raise RuntimeError(f"demo stage {stage!r} failed with exit code {proc.returncode}; last lines of "
@@ -306,6 +328,22 @@ def train_stats(run_dir: Path) -> dict[str, Any]:
     }
 
 
+def curve_lines(run_dir: Path) -> list[str]:
+    """The markdown embedding the training curves (``megatron-arpo plot``: ``plots/curves.png``), if any."""
+    if not (run_dir / "metrics.jsonl").is_file():
+        return []
+    try:
+        written = plot_run(run_dir)
+    except InputError as exc:  # no step logged yet
+        logger.warning("no learning curves: %s", exc)
+        return []
+    curve = run_dir / "plots" / f"{OVERVIEW}.png"
+    if curve not in written:
+        return []
+    return [f"![learning curves: reward, accuracy, tool calls, entropy, KL, step time]"
+            f"({curve.relative_to(run_dir).as_posix()})", ""]
+
+
 def _f(value: float | None, digits: int = 3) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
@@ -333,7 +371,7 @@ def write_summary(demo: Demo) -> dict:
               f"- branches per prompt (mean over steps): {_f(train['branches_per_prompt'], 2)}",
               "- validation reward during training (step: val/reward): "
               + (", ".join(f"{s}: {v:.3f}" for s, v in train["val_curve"]) or "-"), "",
-              "Wall time per stage:", ""]
+              *curve_lines(demo.run_dir), "Wall time per stage:", ""]
     total = 0.0
     for stage in STAGES:
         sec = demo.stage_seconds(stage)

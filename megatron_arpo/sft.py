@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 from megatron_arpo.command_args import PROG, add_config_arguments, config_from_args
+from megatron_arpo.progress import Progress
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +131,9 @@ def run_sft(cfg, resume: str = "auto") -> dict[str, Any]:
                 return group.save(str(out_dir / "checkpoints"), {"sampler": sampler.state_dict(), "stage": STAGE},
                                   step=step, export_hf=False, keep_last=cfg.trainer.keep_last)
 
-            with open(metrics_path, "w") as log:
+            report = Progress("sft", total_steps, done=step, rate_unit="tok",
+                              bar=None if cfg.logging.progress_bars else False)
+            with open(metrics_path, "w") as log, report:
                 log.write("".join(line + "\n" for line in kept))
                 while step < total_steps and not stop.requested:
                     indices = sampler.next_batch()
@@ -143,6 +146,7 @@ def run_sft(cfg, resume: str = "auto") -> dict[str, Any]:
                     log.flush()
                     logger.info("sft step %d/%d loss %.4f grad_norm %.3f lr %.3g", step, total_steps,
                                 metrics["loss"], metrics["grad_norm"], metrics["lr"])
+                    report.update(1, float(metrics.get("tokens", 0.0)))
                     if is_due(step, cfg.sft.save_every, total_steps) or stop.requested:
                         ckpt, last_saved = save(), step
             if stop.requested:

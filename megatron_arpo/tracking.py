@@ -8,8 +8,13 @@ the package can never shadow the standard library's ``logging``.)
   step its checkpoint covers. On resume, lines for steps after the resumed step are
   dropped first, so the file never holds two versions of a step.
 - wandb is online when ``logging.wandb.mode`` is ``online``, or ``auto`` with ``WANDB_API_KEY`` set;
-  otherwise offline into ``<run_dir>/wandb``. The config it receives is ``ExperimentConfig.redacted()``:
-  secrets never reach wandb, and the key itself is read by wandb from the environment only.
+  otherwise offline into ``<run_dir>/wandb`` (closing logs the ``wandb sync`` command that uploads it).
+  The config it receives is ``ExperimentConfig.redacted()``: secrets never reach wandb, and the key
+  itself is read by wandb from the environment only.
+- With ``logging.tensorboard`` the numeric metrics also go to TensorBoard event files in
+  ``<run_dir>/tensorboard``; a resumed run purges the events after its resumed step, as the jsonl does.
+- The per-phase step bar is drawn on a terminal only (never carriage returns into a log file); the keys
+  are explained in docs/metrics.md.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 from megatron_arpo.fsutil import atomic_write, fsync_path
+from megatron_arpo.progress import is_terminal
 from megatron_arpo.redaction import install_log_redaction
 
 logger = logging.getLogger(__name__)
@@ -75,8 +81,8 @@ def format_step_summary(step: int, metrics: Mapping[str, Any], total_steps: int 
 
 @contextmanager
 def progress(phase: str, total: int | None, enabled: bool = True) -> Iterator[Any]:
-    """A per-phase progress bar on stderr (a no-op object when disabled)."""
-    if not enabled:
+    """A per-phase progress bar on stderr (a no-op object when disabled or when stderr is not a terminal)."""
+    if not enabled or not is_terminal(sys.stderr):
         class _Null:
             def update(self, n: int = 1) -> None:
                 pass
@@ -108,7 +114,8 @@ class MetricsLogger:
 
     def __init__(self, run_dir: str | os.PathLike, redacted_config: Mapping[str, Any], *, wandb_mode: str = "auto",
                  project: str = "megatron-arpo", entity: str | None = None, name: str | None = None,
-                 tags: list[str] | None = None, write_jsonl: bool = True, resume_step: int | None = None):
+                 tags: list[str] | None = None, write_jsonl: bool = True, resume_step: int | None = None,
+                 tensorboard: bool = False):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.jsonl_path = self.run_dir / "metrics.jsonl" if write_jsonl else None
@@ -120,6 +127,8 @@ class MetricsLogger:
             mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
         if mode != "disabled":
             self._wandb = self._init_wandb(mode, redacted_config, project, entity, name, tags)
+        self._wandb_offline = mode == "offline" and self._wandb is not None
+        self._tensorboard = self._init_tensorboard(resume_step) if tensorboard else None
 
     def _truncate_after(self, step: int) -> None:
         assert self.jsonl_path is not None
@@ -149,6 +158,17 @@ class MetricsLogger:
         logger.info("wandb %s run %s (dir %s)", mode, run.id, self.run_dir / "wandb")
         return run
 
+    def _init_tensorboard(self, resume_step: int | None) -> Any:
+        # Imported here: tensorboard (through torch) is heavy, and a run without logging.tensorboard skips it.
+        from torch.utils.tensorboard import SummaryWriter
+
+        # purge_step: events at or after it, left by the killed run this one resumes, are dropped on open.
+        # A fresh run (resume_step -1) purges from step 0: an earlier run's events in the same directory.
+        purge = resume_step + 1 if resume_step is not None else None
+        writer = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"), purge_step=purge)
+        logger.info("TensorBoard events in %s (tensorboard --logdir %s)", writer.log_dir, writer.log_dir)
+        return writer
+
     def _wandb_run_id(self) -> str:
         """A stable id per run dir, so a resumed run appends to the same wandb run."""
         path = self.run_dir / "wandb_run_id"
@@ -170,13 +190,25 @@ class MetricsLogger:
                 os.fsync(fh.fileno())
             if created:
                 fsync_path(self.run_dir)  # the new file's directory entry is durable too
+        numeric = {k: v for k, v in row.items() if isinstance(v, (int, float))}
         if self._wandb is not None:
-            self._wandb.log({k: v for k, v in row.items() if isinstance(v, (int, float))}, step=step)
+            self._wandb.log(numeric, step=step)
+        if self._tensorboard is not None:
+            for key, value in numeric.items():
+                if key != "step":
+                    self._tensorboard.add_scalar(key, value, global_step=step)
+            self._tensorboard.flush()  # a step's scalars are on disk once its row is
 
     def close(self) -> None:
         if self._wandb is not None:
+            run_dir = getattr(self._wandb, "dir", None)
             self._wandb.finish()
             self._wandb = None
+            if self._wandb_offline and run_dir:
+                logger.info("wandb ran offline; upload this run with: wandb sync %s", Path(run_dir).parent)
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+            self._tensorboard = None
 
 
 def read_metrics(run_dir: str | os.PathLike) -> list[dict[str, Any]]:

@@ -25,6 +25,7 @@ import traceback
 from pathlib import Path
 from typing import Sequence
 
+from megatron_arpo.progress import Progress
 from megatron_arpo.trainer import checkpointing, metrics, phases, steps
 from megatron_arpo.trainer.signals import LeadTimeAdvisor, StepAborted, StopRequest
 from megatron_arpo.command_args import PROG, add_config_arguments, config_from_args
@@ -43,6 +44,8 @@ def train(cfg, resume: str = "auto", replay_dir: str | None = None) -> int:
         lead = LeadTimeAdvisor(cfg.launcher.signal_lead_seconds)
         if t.val_before_train and rt.step == 0 and rt.val is not None:
             rt.metrics_logger.log(0, steps.validate(rt, 0))
+        report = Progress("train", rt.total_steps, done=rt.step, rate_unit="generated tok",
+                          bar=None if cfg.logging.progress_bars else False)
         while rt.step < rt.total_steps and not stop.requested:
             step = rt.step + 1
             with progress(f"step {step}/{rt.total_steps}", None, cfg.logging.progress_bars) as bar:
@@ -89,6 +92,7 @@ def train(cfg, resume: str = "auto", replay_dir: str | None = None) -> int:
                 # kill before the publish redoes the step (the resume drops the row), a kill after loses nothing.
                 rt.metrics_logger.log(step, row)
                 logger.info(format_step_summary(step, row, rt.total_steps))
+                report.update(1, float(row.get("rollout/generated_tokens", 0.0)))
                 if cfg.logging.save_rollout_records:
                     from megatron_arpo.trainer.replay import save_step_records
 
@@ -99,6 +103,7 @@ def train(cfg, resume: str = "auto", replay_dir: str | None = None) -> int:
                     lead.observe(timer.seconds)  # the save time, for the preemption lead-time advice
                     logger.info("step %d: checkpoint saved in %.1f s", step, timer.seconds["save"])
 
+        report.close()
         if stop.requested:
             if rt.step != rt.last_saved_step and rt.step > 0:
                 checkpointing.save_checkpoint(rt)

@@ -49,6 +49,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+from megatron_arpo.progress import is_terminal
+
 logger = logging.getLogger(__name__)
 
 MODES = ("address", "address_file", "slurm", "local")
@@ -316,6 +318,8 @@ def connect_ray(cfg: Any, environ: Mapping[str, str] | None = None, **init_kwarg
     environ = dict(os.environ if environ is None else environ)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     environ.setdefault("RAY_AUTH_MODE", os.environ["RAY_AUTH_MODE"])
+    if not is_terminal(sys.stdout):  # Ray prints actors' output with coloured prefixes; none into a log file
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
     if ray.is_initialized():
         raise RuntimeError("connect_ray: this process is already connected to Ray; call it once per driver")
     run_dir = Path(cfg.run_dir).resolve()

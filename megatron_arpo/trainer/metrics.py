@@ -35,17 +35,64 @@ dicts), so it is unit-tested without engines. Key names (the ``metrics.jsonl`` c
   compute, i.e. not in rollout, log-prob, update or validation phases. Rollout time includes waiting
   for tools when no generation overlaps it, so this share is a lower bound.
 - ``val/reward``, ``val/accuracy``, ``val/<data_source>/reward``, ``val/<data_source>/accuracy``.
+
+``METRIC_KEYS`` lists every key a row can hold; docs/metrics.md explains each, and a unit test keeps the
+list, the page and the keys these functions emit in step.
 """
 
 from __future__ import annotations
 
 import math
+import re
 import time
 from contextlib import contextmanager
 from typing import Any, Iterator, Mapping, Sequence
 
 ACCURACY_THRESHOLD = 1.0
 MODEL_PHASES = ("rollout", "logprob", "ref_logprob", "update", "validate")
+
+# Every key of a metrics.jsonl row; <source> stands for a data source, <tool> for a tool tag, <phase> for a
+# step phase (PhaseTimer) and <switch> for a colocated phase switch (trainer/phases.py).
+_SUMMARY = ("mean", "std", "accuracy", "format_error_frac")
+_VAL = ("reward", "accuracy", "format_error_frac")
+METRIC_KEYS: tuple[str, ...] = (
+    "step",
+    *(f"reward/{k}" for k in _SUMMARY), *(f"reward/<source>/{k}" for k in _SUMMARY),
+    *(f"val/{k}" for k in _VAL), *(f"val/<source>/{k}" for k in _VAL),
+    "val/response_length", "val/tool_calls_per_traj",
+    *(f"rollout/{k}" for k in (
+        "num_trajectories", "branches_per_prompt", "fills_per_prompt", "response_length", "response_length_max",
+        "truncated_frac", "generated_tokens", "generated_tokens_per_s", "prefix_cache_hit_rate",
+        "entropy_first_segment", "entropy_after_tool", "logprob_abs_diff")),
+    "tools/calls_per_traj", "tools/errors", "tools/call_limit_hits", "tools/cache_hit_rate",
+    *(f"tools/<tool>/{k}" for k in ("calls_per_traj", "calls", "errors", "timeouts", "cache_hits")),
+    *(f"actor/{k}" for k in (  # the actor's update (actor/worker.py), then token_statistics
+        "loss", "pg_loss", "kl_loss", "clip_frac", "low_clip_frac", "high_clip_frac", "dual_clip_frac", "approx_kl",
+        "loss_tokens", "loss_last", "grad_norm", "grad_norm_max", "lr", "padding_fraction", "tokens",
+        "tokens_per_s", "num_optimizer_steps", "logprob_padding_fraction", "entropy", "entropy_after_tool",
+        "ref_kl")),
+    *(f"sync/{k}" for k in ("seconds", "send_s", "bytes", "gb_per_s", "buckets", "driver_bytes",
+                            "driver_weight_bytes", "verified")),
+    "phase/<switch>_s", "phase/offload_optimizer_gib", "phase/offload_grad_gib",
+    "time/<phase>_s", "time/step_s", "time/outside_model_frac",
+    "preempt/needed_lead_s",
+    "data/epoch", "data/position", "data/prompt_uids",
+)
+
+
+def _pattern_regex(pattern: str) -> re.Pattern:
+    return re.compile("".join(r"[^/]+" if part.startswith("<") else re.escape(part)
+                              for part in re.split(r"(<\w+>)", pattern) if part) + "$")
+
+
+_KEY_REGEXES = tuple((p, _pattern_regex(p)) for p in METRIC_KEYS)
+
+
+def metric_pattern(key: str) -> str | None:
+    """The ``METRIC_KEYS`` entry ``key`` is an instance of (the exact key first), or None."""
+    if key in METRIC_KEYS:
+        return key
+    return next((p for p, regex in _KEY_REGEXES if regex.match(key)), None)
 
 
 class PhaseTimer:

@@ -442,4 +442,5 @@ def _start_metrics_logger(rt: Runtime) -> None:
     rt.metrics_logger = MetricsLogger(rt.run_dir, rt.cfg.redacted(), wandb_mode=w.mode, project=w.project,
                                       entity=w.entity, name=w.name or rt.cfg.name, tags=list(w.tags),
                                       write_jsonl=rt.cfg.logging.metrics_jsonl,
-                                      resume_step=rt.step if rt.resume_from is not None else -1)
+                                      resume_step=rt.step if rt.resume_from is not None else -1,
+                                      tensorboard=rt.cfg.logging.tensorboard)

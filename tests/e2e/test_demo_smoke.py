@@ -50,6 +50,14 @@ def test_demo_runs_every_stage_and_writes_the_summary(tmp_path):
     assert summary["train"]["branches_per_prompt"] is not None
     text = (run_dir / "summary.md").read_text()
     assert "reward before" in text and "branches per prompt" in text
+    assert "](plots/curves.png)" in text and (run_dir / "plots" / "curves.png").stat().st_size > 10_000
+    # Every stage's progress reaches the demo's console; its log files hold no escape codes.
+    for stage, what in (("sft", "sft"), ("before", "eval "), ("train", "train")):
+        assert f"[{stage}] {what}" in proc.stderr, (stage, proc.stderr[-3000:])
+    for log in (run_dir / "logs").glob("*.log"):
+        assert b"\x1b" not in log.read_bytes() and b"\r" not in log.read_bytes(), log
+    # vLLM's rotary warning after each weight sync is filtered in its worker processes.
+    assert "Failed to load weights" not in (run_dir / "logs" / "train.log").read_text()
     assert "| all |" in proc.stdout
 
     # Resumable: a second run finds every stage complete and only rewrites the summary.

@@ -26,8 +26,13 @@ def test_round_trip_cli_loads_in_transformers(tmp_path, name):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     hf = tiny_checkpoint(name)
-    run_cli("hf-to-megatron", "--hf", hf, "--out", tmp_path / "mg", "--tp", 2, "--pp", 2)
-    run_cli("megatron-to-hf", "--megatron", tmp_path / "mg", "--out", tmp_path / "hf", "--max-shard-size", "1MB")
+    to_mg = run_cli("hf-to-megatron", "--hf", hf, "--out", tmp_path / "mg", "--tp", 2, "--pp", 2)
+    to_hf = run_cli("megatron-to-hf", "--megatron", tmp_path / "mg", "--out", tmp_path / "hf", "--max-shard-size", "1MB")
+    # Progress without -v: plain lines into a file or pipe (first and last here), never a redrawn bar.
+    for proc, what, unit in ((to_mg, "hf-to-megatron", "chunks"), (to_hf, "megatron-to-hf", "tensors")):
+        lines = [l for l in proc.stderr.splitlines() if "megatron_arpo.progress" in l]
+        assert len(lines) >= 2 and f"{what}: 1/" in lines[0] and f" {unit} (100%)" in lines[-1], proc.stderr
+        assert "MB/s" in lines[-1] and "ETA 0 s" in lines[-1] and "\r" not in proc.stderr
     out = tmp_path / "hf"
     assert compare_hf_dirs(hf, out) == []
     index = json.loads((out / "model.safetensors.index.json").read_text())
