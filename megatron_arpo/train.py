@@ -112,9 +112,8 @@ def train(cfg, resume: str = "auto", replay_dir: str | None = None) -> int:
 
 
 def train_main(argv: Sequence[str]) -> int:
-    from megatron_arpo.config import validate_paths
     from megatron_arpo.errors import InputError, as_symlink_loop
-    from megatron_arpo.preflight import check_tools
+    from megatron_arpo.preflight import preflight
     from megatron_arpo.tracking import setup_console_logging
 
     parser = argparse.ArgumentParser(prog=f"{PROG} train", description=__doc__.split("\n\n")[0])
@@ -128,10 +127,10 @@ def train_main(argv: Sequence[str]) -> int:
     args = parser.parse_args(list(argv))
     cfg = config_from_args(args)
     setup_console_logging(cfg.logging.console_level)
-    validate_paths(cfg, for_command="train")
-    if args.replay_rollouts is None:
-        check_tools(cfg)  # the tools run in this process: a sandbox or key problem is an input error
-    else:
+    # Paths, the checkpoint against model.config, the tokenizer and (the tools run in this process) the tools:
+    # every problem at once, before Ray starts. The rows are read once, by the runtime.
+    preflight(cfg, "train", data=False, probe=False, tools=args.replay_rollouts is None)
+    if args.replay_rollouts is not None:
         from megatron_arpo.trainer.replay import ReplaySource
 
         ReplaySource.open(args.replay_rollouts)  # a bad DIR: exit 2 before anything starts
