@@ -148,7 +148,8 @@ def _add_local(sub) -> None:
     p.add_argument("--config", required=True, help="experiment YAML")
     p.add_argument("--set", action="append", default=[], metavar="a.b=c", help="config override (repeatable)")
     p.add_argument("--nodes", type=int, default=1,
-                   help="Ray nodes (raylets) to start on this host, each with its own ports and temp dir")
+                   help="Ray nodes (raylets) to start on this host, each with its own ports and temp dir (default: "
+                        "%(default)s)")
     p.add_argument("--dry-run", action="store_true",
                    help="print the node and job commands; start nothing and skip the pre-flight")
     p.add_argument("--command", default=None,
