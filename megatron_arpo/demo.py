@@ -179,7 +179,7 @@ class Demo:
 
     def _eval(self, stage: str, model: Path) -> None:
         out = self.run_dir / "eval" / stage
-        self._run(stage, ["eval", *self._config_args(), "--model", str(model), "--tokenizer", str(model),
+        self._run(stage, ["eval", *self._config_args(), "--hf", str(model), "--tokenizer", str(model),
                           "--datasets", ",".join(f"{s}:qa" for s in self.sources()),
                           "--data-dir", str(self.eval_data), "--out", str(out), "--greedy",
                           "--max-samples", str(self.cfg.eval.max_samples or 100000), "--dtype", self.eval_dtype()])

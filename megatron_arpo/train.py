@@ -128,13 +128,13 @@ def train_main(argv: Sequence[str]) -> int:
     args = parser.parse_args(list(argv))
     cfg = config_from_args(args)
     setup_console_logging(cfg.logging.console_level)
-    # Paths, the checkpoint against model.config, the tokenizer and (the tools run in this process) the tools:
-    # every problem at once, before Ray starts. The rows are read once, by the runtime.
-    preflight(cfg, "train", data=False, probe=False, tools=args.replay_rollouts is None)
     if args.replay_rollouts is not None:
         from megatron_arpo.trainer.replay import ReplaySource
 
         ReplaySource.open(args.replay_rollouts)  # a bad DIR: exit 2 before anything starts
+    # Paths, the checkpoint against model.config, the tokenizer and (the tools run in this process) the tools:
+    # every problem at once, before Ray starts. The rows are read once, by the runtime.
+    preflight(cfg, "train", data=False, probe=False, tools=args.replay_rollouts is None)
     done = None if args.replay_rollouts else checkpointing.finished_run(cfg, args.resume or cfg.trainer.resume)
     if done is not None:  # nothing to train or export: do not start Ray and the engines
         print(f"{cfg.run_dir}: already finished ({done['step']} of {done['total_steps']} steps, checkpoint "
