@@ -169,7 +169,7 @@ def write_finished(rt: Any, hf_dir: Optional[Path]) -> None:
     """``<run_dir>/finished.json``: this config's run is done, at this checkpoint, with this export."""
     from megatron_arpo.actor.checkpoint import latest_checkpoint
 
-    last = latest_checkpoint(rt.checkpoint_root)
+    last = latest_checkpoint(Path(rt.run_dir) / "checkpoints")  # Runtime.checkpoint_root
     record = {"step": rt.step, "total_steps": rt.total_steps, "checkpoint": last.name if last else None,
               "hf": str(hf_dir) if hf_dir else None, "config_sha256": config_digest(rt.cfg)}
     with atomic_write(Path(rt.run_dir) / FINISHED) as fh:
