@@ -26,8 +26,15 @@ from pathlib import Path
 from typing import Any, Literal, Mapping, Optional
 
 from megatron_arpo.config import BUILTIN_REWARDS, ConfigError, resolved_model, validate_paths
+from megatron_arpo.data.chat import ChatFormatError, load_chat_format
+from megatron_arpo.data.datasets import DEFAULT_SYSTEM_PROMPT, load_prompt_files
+from megatron_arpo.data.sft import SFTDataError, iter_conversations
 from megatron_arpo.errors import InputError
 from megatron_arpo.model_config import ARCH_FIELDS, MODEL_CONFIG_DIR, load_model_config, model_config_from_hf
+from megatron_arpo.tools.base import ToolError, TransportError
+from megatron_arpo.tools.containment import SandboxUnavailable
+from megatron_arpo.tools.registry import build_python_tool, build_search_tool
+from megatron_arpo.tools.search import HttpRetrieverBackend
 
 logger = logging.getLogger(__name__)
 
@@ -60,8 +67,6 @@ def _close(tool: Any) -> None:
 
 def tool_problems(cfg: Any, with_files: bool = True, probe: bool = True) -> list[str]:
     """Build every enabled tool of ``cfg.tools`` as training would; with ``probe``, query the HTTP retriever."""
-    from megatron_arpo.tools.containment import SandboxUnavailable
-    from megatron_arpo.tools.registry import build_python_tool, build_search_tool
 
     tools = cfg.to_dict()["tools"]
     builders = []
@@ -95,8 +100,6 @@ def check_tools(cfg: Any, with_files: bool = True, probe: bool = False) -> None:
 
 def probe_retriever(url: str, timeout_s: float = PROBE_TIMEOUT_S, max_response_bytes: int = 1 << 20) -> Optional[str]:
     """Send the retriever one test query; the problem as a line, or None when it answered."""
-    from megatron_arpo.tools.base import ToolError, TransportError
-    from megatron_arpo.tools.search import HttpRetrieverBackend
 
     backend = HttpRetrieverBackend(url, timeout_s=timeout_s, max_response_bytes=max_response_bytes)
 
@@ -197,9 +200,8 @@ def tokenizer_problems(cfg: Any) -> list[str]:
     if not any((tok_dir / name).exists() for name in TOKENIZER_FILES):
         return [f"{key}: {tok_dir} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); copy the base model's "
                 f"tokenizer files there, or set model.tokenizer to a directory that has them"]
-    from transformers import AutoTokenizer  # heavy: only once the files are there
+    from transformers import AutoTokenizer  # heavy (seconds): only when there are tokenizer files to load
 
-    from megatron_arpo.data.chat import ChatFormatError, load_chat_format
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
@@ -217,8 +219,6 @@ def tokenizer_problems(cfg: Any) -> list[str]:
 def check_data(cfg: Any, command: Command) -> None:
     """Parse and validate the rows ``command`` reads; DatasetError / SFTDataError name the file and row."""
     if command == "train":
-        from megatron_arpo.data.datasets import DEFAULT_SYSTEM_PROMPT, load_prompt_files
-
         d = cfg.data
         for files in (d.train_files, d.val_files):
             if files:
@@ -226,8 +226,6 @@ def check_data(cfg: Any, command: Command) -> None:
                                   system_prompt=d.system_prompt or DEFAULT_SYSTEM_PROMPT,
                                   strict_answers=d.reward in BUILTIN_REWARDS)
     elif command == "sft":
-        from megatron_arpo.data.sft import SFTDataError, iter_conversations
-
         if sum(1 for _ in iter_conversations(cfg.sft.train_files, cfg.data.on_bad_row)) == 0:
             raise SFTDataError(f"no usable SFT conversation in {cfg.sft.train_files}")
 
