@@ -60,11 +60,12 @@ def _load_yaml(path: str) -> dict[str, Any]:
 def _add_slurm(sub) -> None:
     p = sub.add_parser("slurm", help="render (--dry-run) or submit the sbatch script of a multi-node job",
                        description="Check the job (pre-flight), then write and submit its sbatch script.")
-    p.add_argument("--config", required=True, help="experiment YAML with a `launcher:` section")
+    p.add_argument("--config", required=True, metavar="YAML", help="experiment YAML with a `launcher:` section")
     for name, (kind, help_text) in SLURM_FLAGS.items():
         flag = "--container" if name == "container_image" else f"--{name.replace('_', '-')}"
         p.add_argument(flag, dest=name, type=kind, default=None, help=help_text)
-    p.add_argument("--set", action="append", default=[], metavar="a.b=c", help="config override (repeatable)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one config key, e.g. --set rollout.n=8 (repeatable)")
     p.add_argument("--dry-run", action="store_true",
                    help="print the script; submit nothing and skip the pre-flight (`megatron-arpo config validate "
                         "--paths train` runs it)")
@@ -145,8 +146,9 @@ def _run_slurm(args) -> int:
 def _add_local(sub) -> None:
     p = sub.add_parser("local", help="start a Ray cluster on this host and run the job on it",
                        description="Check the job (pre-flight), start Ray nodes on this host, run the job on them.")
-    p.add_argument("--config", required=True, help="experiment YAML")
-    p.add_argument("--set", action="append", default=[], metavar="a.b=c", help="config override (repeatable)")
+    p.add_argument("--config", required=True, metavar="YAML", help="experiment YAML")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one config key, e.g. --set rollout.n=8 (repeatable)")
     p.add_argument("--nodes", type=int, default=1,
                    help="Ray nodes (raylets) to start on this host, each with its own ports and temp dir (default: "
                         "%(default)s)")
@@ -228,7 +230,7 @@ def _run_ray_node(args) -> int:
 
 
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", default=None, help="experiment YAML (model, actor, rollout sections)")
+    p.add_argument("--config", default=None, metavar="YAML", help="experiment YAML (model, actor, rollout sections)")
     p.add_argument("--model-config", dest="model", default=None, metavar="NAME",
                    help="model config name or YAML (default: model.config of --config)")
     p.add_argument("--model", dest="model", metavar="NAME", action=DeprecatedAlias, new="--model-config")
