@@ -1,7 +1,8 @@
-"""``python -m conversion``: hf-to-megatron, megatron-to-hf, verify, plan.
+"""``megatron-arpo convert`` (also ``python -m conversion``): hf-to-megatron, megatron-to-hf, verify, shapes.
 
-Errors a user can fix (bad paths, configs, checkpoints) print one ``error:`` line and exit 2; a failed
-verify or plan check exits 1; SIGTERM or Ctrl-C removes the unfinished output (exit 143 / 130).
+``shapes`` (formerly ``plan``, still accepted with a warning) lists every rank's parameter shapes; the memory
+plan is ``megatron-arpo plan``. Errors a user can fix (bad paths, configs, checkpoints) print one
+``megatron-arpo convert: error:`` line and exit 2; a failed verify or shapes check exits 1; SIGTERM or Ctrl-C removes the unfinished output (exit 143 / 130).
 ``megatron-to-hf`` never imports megatron-core, nor torch unless a tensor must go through memory (see
 :mod:`conversion.megatron_to_hf`); it prints the conversion report (``conversion.json``), every
 ``config.json`` field it changed included.
@@ -16,6 +17,7 @@ import signal
 import sys
 import threading
 
+from megatron_arpo.command_args import PROG as MAIN_PROG
 from megatron_arpo.errors import as_symlink_loop
 from megatron_arpo.hf.config_json import FieldChange
 from megatron_arpo.hf.checkpoint_io import parse_size
@@ -69,51 +71,61 @@ def cmd_verify(args) -> int:
                            timeout=args.timeout) else 1
 
 
-def cmd_plan(args) -> int:
+def cmd_shapes(args) -> int:
     from conversion.plan import run_plan
 
+    if args.command == "plan":
+        print(f"{PROG} plan: warning: renamed; use `{PROG} shapes` (the memory plan is `{MAIN_PROG} plan`)",
+              file=sys.stderr)
     return 0 if run_plan(_model_cfg(args.model_config), args.tp, args.pp, print) else 1
 
 
+PROG = f"{MAIN_PROG} convert"
+MODEL_CONFIG_HELP = "model config: a model_configs/ name or a YAML path"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m conversion", description=__doc__.splitlines()[0])
-    parser.add_argument("-v", "--verbose", action="store_true")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog=PROG, description="HF <-> Megatron checkpoint conversion and checks.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{hf-to-megatron,megatron-to-hf,verify,shapes}")
 
     p = sub.add_parser("hf-to-megatron", help="HF safetensors -> Megatron distributed checkpoint")
     p.add_argument("--hf", required=True, help="HF checkpoint directory")
     p.add_argument("--out", required=True, help="output directory (must not exist unless --overwrite)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size the vocab padding is made for")
-    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (validated; layout is resharding)")
-    p.add_argument("--model-config", help="model YAML (path or name); default: derived from config.json")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size the vocab padding is made for (default: 1)")
+    p.add_argument("--pp", type=int, default=1,
+                   help="pipeline-parallel size (validated; layout is resharding; default: 1)")
+    p.add_argument("--model-config", help=f"{MODEL_CONFIG_HELP} (default: derived from config.json)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the checkpoint's dtype")
-    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out written by this command")
     p.set_defaults(fn=cmd_hf_to_megatron)
 
     p = sub.add_parser("megatron-to-hf", help="Megatron distributed checkpoint -> HF safetensors")
     p.add_argument("--megatron", required=True, help="converted or training checkpoint directory")
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", required=True, help="output HF directory (must not exist unless --overwrite)")
     p.add_argument("--tokenizer", help="directory with tokenizer files (default: those recorded at conversion)")
-    p.add_argument("--max-shard-size", default="5GB")
-    p.add_argument("--model-config", help="model YAML; default: model_config.yaml beside the checkpoint")
-    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (default: %(default)s)")
+    p.add_argument("--model-config", help=f"{MODEL_CONFIG_HELP} (default: model_config.yaml beside the checkpoint)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out written by this command")
     p.add_argument("--allow-nonfinite", action="store_true",
                    help="convert weights holding NaN or Inf (refused by default: a damaged or diverged checkpoint)")
     p.set_defaults(fn=cmd_megatron_to_hf)
 
     p = sub.add_parser("verify", help="round trip bit-exactness and HF vs Megatron logits parity")
-    p.add_argument("--hf", required=True)
+    p.add_argument("--hf", required=True, help="HF checkpoint directory")
     p.add_argument("--tp", type=int, default=0, help="check only this layout (default: TP=1, TP=2, PP=2)")
-    p.add_argument("--pp", type=int, default=0)
-    p.add_argument("--model-config")
-    p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--pp", type=int, default=0, help="with --tp: the layout's pipeline size (default: 1)")
+    p.add_argument("--model-config", help=f"{MODEL_CONFIG_HELP} (default: derived from config.json)")
+    p.add_argument("--timeout", type=float, default=600, help="seconds per layout (default: %(default)s)")
     p.set_defaults(fn=cmd_verify)
 
-    p = sub.add_parser("plan", help="dry run: every rank's parameter shapes on the meta device")
-    p.add_argument("--model-config", required=True)
-    p.add_argument("--tp", type=int, required=True)
-    p.add_argument("--pp", type=int, required=True)
-    p.set_defaults(fn=cmd_plan)
+    for name, shown in (("shapes", "dry run: every rank's parameter shapes on the meta device"),
+                        ("plan", f"deprecated name of `shapes` (the memory plan is `{MAIN_PROG} plan`)")):
+        p = sub.add_parser(name, help=shown)
+        p.add_argument("--model-config", required=True, help=MODEL_CONFIG_HELP)
+        p.add_argument("--tp", type=int, required=True, help="tensor-parallel size")
+        p.add_argument("--pp", type=int, required=True, help="pipeline-parallel size")
+        p.set_defaults(fn=cmd_shapes)
     return parser
 
 
@@ -141,7 +153,7 @@ def main(argv=None) -> int:
             print(f"interrupted by {signal.Signals(signum).name}; the unfinished output was removed", file=sys.stderr)
             return 128 + signum
         if isinstance(exc, USER_ERRORS) or as_symlink_loop(exc) is not None:
-            print(f"error: {as_symlink_loop(exc) or exc}", file=sys.stderr)
+            print(f"{PROG} {args.command}: error: {as_symlink_loop(exc) or exc}", file=sys.stderr)
             return 2
         raise
 

@@ -5,4 +5,4 @@ import sys
 from evaluation.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main(prog="python -m evaluation"))
+    sys.exit(main())

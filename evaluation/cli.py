@@ -1,6 +1,6 @@
 """``megatron-arpo eval`` / ``python -m evaluation``: evaluate an HF checkpoint on benchmark datasets.
 
-    megatron-arpo eval --model HF_DIR --datasets aime24,gsm8k,hotpotqa --data-dir DIR [--k 5]
+    megatron-arpo eval --hf HF_DIR --datasets aime24,gsm8k,hotpotqa --data-dir DIR [--k 5]
                        [--config X.yaml [--set a.b=c ...]] [--out DIR] [--judge-url URL]
 
 Settings come from, in increasing priority: the defaults of the config dataclasses, ``--config`` (its
@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from megatron_arpo.command_args import DeprecatedAlias
 from megatron_arpo.errors import as_symlink_loop
 from megatron_arpo.redaction import install_log_redaction
 
@@ -40,8 +41,10 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         prog=prog, description="Evaluate a checkpoint with the training tool loop: pass@1 mean±std, pass@k, "
                                "EM/F1/accuracy/math equivalence, optional LLM judge. Resumable.",
         epilog="known datasets: " + ", ".join(sorted(DATASETS)) + " (others: NAME:qa or NAME:math)")
-    p.add_argument("--model", help="HF checkpoint directory (default: model.hf_checkpoint of --config)")
-    p.add_argument("--tokenizer", help="tokenizer directory (default: model.tokenizer of --config, else --model)")
+    p.add_argument("--hf", dest="model", metavar="HF_DIR",
+                   help="HF checkpoint directory (default: model.hf_checkpoint of --config)")
+    p.add_argument("--model", dest="model", metavar="HF_DIR", action=DeprecatedAlias, new="--hf")
+    p.add_argument("--tokenizer", help="tokenizer directory (default: model.tokenizer of --config, else --hf)")
     p.add_argument("--datasets", help="comma-separated dataset names or files (PATH[:qa|math]: parquet, JSONL, "
                                       "JSON; default: eval.datasets)")
     p.add_argument("--data-dir", help="directory holding <name>/test.jsonl (default: eval.data_dir)")
@@ -58,15 +61,16 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     p.add_argument("--response-length", type=int, help="tokens after the prompt (default rollout.response_length)")
     p.add_argument("--call-limit", type=int, help="tool calls per trajectory (default rollout.call_limit)")
     p.add_argument("--seed", type=int, help="sampling seed (default rollout.seed)")
-    p.add_argument("--dtype", default="auto", help="vLLM dtype (auto, float32, bfloat16)")
+    p.add_argument("--dtype", default="auto", help="vLLM dtype: auto, float32, bfloat16 (default: %(default)s)")
     p.add_argument("--search-corpus", help="enable search with local BM25 over this JSONL corpus")
     p.add_argument("--search-url", help="enable search through this FlashRAG-style retriever URL")
     p.add_argument("--no-python", action="store_true", help="disable the python tool")
     p.add_argument("--judge-url", help="OpenAI-compatible base URL of an LLM judge (enables the judge)")
     p.add_argument("--judge-model", help="judge model name (default eval.judge.model, else the server's first)")
     p.add_argument("--no-judge", action="store_true", help="disable the judge even if the config enables it")
-    p.add_argument("--max-in-flight", type=int, default=32, help="questions generated concurrently")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--max-in-flight", type=int, default=32,
+                   help="questions generated concurrently (default: %(default)s)")
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default: %(default)s)")
     return p
 
 
@@ -126,10 +130,10 @@ def load_tokenizer(model_dir: str, tokenizer_dir: Optional[str] = None) -> Any:
 
     model_path = Path(model_dir)
     if not model_path.is_dir():
-        raise EvalError(f"--model {model_dir!r} is not a directory; give an HF checkpoint directory "
+        raise EvalError(f"--hf {model_dir!r} is not a directory; give an HF checkpoint directory "
                         "(config.json, weights, tokenizer files)")
     if not (model_path / "config.json").exists():
-        raise EvalError(f"--model {model_dir!r} has no config.json; it is not an HF checkpoint directory "
+        raise EvalError(f"--hf {model_dir!r} has no config.json; it is not an HF checkpoint directory "
                         "(export one with `megatron-arpo convert megatron-to-hf`)")
     tok_path = Path(tokenizer_dir) if tokenizer_dir else model_path
     names = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
@@ -161,7 +165,7 @@ def prepare(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     ev = cfg.eval
     model = _pick(args.model, cfg.model.hf_checkpoint)
     if not model:
-        raise EvalError("no model: pass --model HF_DIR (or set model.hf_checkpoint in --config)")
+        raise EvalError("no model: pass --hf HF_DIR (or set model.hf_checkpoint in --config)")
     specs = parse_dataset_names(_pick(args.datasets, ev.datasets or None) or "")
     data_dir = _pick(args.data_dir, ev.data_dir)
     if not data_dir and any(spec.path is None for spec in specs):

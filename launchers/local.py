@@ -40,7 +40,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Sequence
+from typing import IO, Any, Callable, Sequence
 
 from megatron_arpo.fsutil import atomic_write
 from megatron_arpo.progress import is_terminal, strip_ansi_bytes
@@ -281,8 +281,9 @@ def _pdeathsig() -> None:
 
 
 def launch_local(config: str, overrides: Sequence[str] = (), num_nodes: int = 1, command: Sequence[str] | None = None,
-                 dry_run: bool = False) -> int:
-    """``megatron-arpo launch local``: returns the job's exit code (0 for a dry run)."""
+                 dry_run: bool = False, check: Callable[[Any, Sequence[str]], None] | None = None) -> int:
+    """``megatron-arpo launch local``: returns the job's exit code (0 for a dry run). ``check(cfg, job_command)``
+    (the pre-flight) runs before anything starts and raises on a problem."""
     from megatron_arpo.config import load_config
 
     cfg = load_config(config, overrides)
@@ -290,6 +291,8 @@ def launch_local(config: str, overrides: Sequence[str] = (), num_nodes: int = 1,
     if dry_run:
         print(launch.describe())
         return 0
+    if check is not None:
+        check(cfg, launch.job_command)
     _write_config(cfg, launch.run_dir)
     print(launch.describe(), flush=True)
     return run_local_launch(launch)

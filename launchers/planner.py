@@ -508,7 +508,7 @@ def plan_input_from_config(cfg: Mapping[str, Any] | Any, model: str | None = Non
                                                 "algorithm")}
     model_name = model or sec["model"].get("config")
     if not model_name:
-        raise ValueError("plan: give --model NAME or a --config whose model.config names a model")
+        raise ValueError("give --model-config NAME or a --config whose model.config names a model")
     mcfg = load_model_config(model_name)
     actor, rollout, launcher = sec["actor"], sec["rollout"], sec["launcher"]
     seq_len = sec["data"].get("max_prompt_tokens", 1536) + rollout.get("response_length", 4096)

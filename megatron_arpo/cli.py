@@ -25,7 +25,7 @@ import yaml
 
 from megatron_arpo import __version__
 from megatron_arpo.command_args import PROG, add_config_arguments, config_from_args
-from megatron_arpo.config import ConfigError, config_warnings
+from megatron_arpo.config import config_warnings
 from megatron_arpo.errors import InputError, as_symlink_loop
 from megatron_arpo.device.quiet import quiet_cpu_warnings
 
@@ -46,11 +46,11 @@ COMMANDS: tuple[Command, ...] = (
     Command("train", "megatron_arpo.train", "train_main", "ARPO/AEPO RL training: rollout, reward, update, sync, save"),
     Command("sft", "megatron_arpo.sft", "sft_main", "cold-start SFT on ShareGPT tool-use conversations"),
     Command("eval", "evaluation.cli", "main", "evaluate a checkpoint: pass@k, metrics, LLM judge"),
-    Command("convert", "conversion.__main__", "main", "HF <-> Megatron checkpoints: hf-to-megatron, megatron-to-hf, verify, plan"),
+    Command("convert", "conversion.__main__", "main", "HF <-> Megatron checkpoints: hf-to-megatron, megatron-to-hf, verify, shapes"),
     Command("launch", "launchers.cli", "launch_main", "launch a job: slurm (sbatch, multi-node) or local (Ray on this host)"),
     Command("plan", "launchers.cli", "plan_main", "per-GPU memory plan: does this config fit?"),
     Command("demo", "megatron_arpo.demo", "demo_main", "the end-to-end CPU demo: SFT, ARPO, evaluation"),
-    Command("doctor", "megatron_arpo.doctor", "doctor_main", "check a GPU node's stack: torch/CUDA, NCCL, TE, vLLM, run dir"),
+    Command("doctor", "megatron_arpo.doctor", "doctor_main", "check a GPU node's stack: torch/CUDA, NCCL, TE, vLLM, sandbox, run dir"),
     Command("plot", "megatron_arpo.plot", "plot_main", "PNG learning curves of a run from its metrics.jsonl"),
 )
 
@@ -60,11 +60,14 @@ def config_main(argv: Sequence[str]) -> int:
     sub = parser.add_subparsers(dest="action", required=True, metavar="{show,validate,reference}")
     show = sub.add_parser("show", help="print the resolved config (secrets redacted)")
     add_config_arguments(show)
-    show.add_argument("--format", choices=("yaml", "json"), default="yaml")
-    check = sub.add_parser("validate", help="validate the config; exit 2 on any problem")
+    show.add_argument("--format", choices=("yaml", "json"), default="yaml", help="output format (default: %(default)s)")
+    check = sub.add_parser("validate", help="validate the config and its tools (sandbox, retriever); exit 2 on any "
+                                            "problem")
     add_config_arguments(check)
     check.add_argument("--paths", choices=("train", "sft", "eval"), default=None,
-                       help="also check the files this command would read: they exist and their rows are valid")
+                       help="also run everything this command checks before it starts, as `launch` does: its files "
+                            "exist, their rows are valid, the checkpoint matches model.config, the tokenizer loads "
+                            "(default: the config and the tools only)")
     sub.add_parser("reference", help="print the config reference (every key, type, default) as markdown")
     args = parser.parse_args(list(argv))
 
@@ -79,14 +82,13 @@ def config_main(argv: Sequence[str]) -> int:
         else:
             print(yaml.safe_dump(data, sort_keys=False, default_flow_style=False), end="")
         return 0
-    from megatron_arpo.preflight import check_tools, preflight
+    from megatron_arpo.preflight import PreflightError, find_problems, tool_problems
 
-    # The checks `train` runs before it starts: the tools on this machine (sandbox user, interpreter, keys,
-    # URLs) and, with --paths, the files and their rows.
-    if args.paths:
-        preflight(cfg, args.paths)
-    else:
-        check_tools(cfg, with_files=False)
+    # The checks `launch` runs before it submits: the tools on this machine (sandbox, interpreter, keys, the
+    # retriever answering) and, with --paths, the files, their rows, the checkpoint and the tokenizer.
+    problems = find_problems(cfg, args.paths) if args.paths else tool_problems(cfg, with_files=False)
+    if problems:
+        raise PreflightError(problems)
     for warning in config_warnings(cfg):
         print(f"warning: {warning}", file=sys.stderr)
     print(f"{args.config}: OK" + (f" (paths and data checked for {args.paths})" if args.paths else ""))
@@ -143,10 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         return int(_resolve(command)(ns.args) or 0)
-    except ConfigError as exc:
-        print(f"{PROG}: config error: {exc}", file=sys.stderr)
-        return EXIT_CONFIG_ERROR
-    except InputError as exc:  # a dataset row, an SFT file, a checkpoint to resume from, ...
+    except InputError as exc:  # a config, a dataset row, an SFT file, a checkpoint to resume from, ...
         print(f"{PROG} {command.name}: error: {exc}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
     except (OSError, RuntimeError) as exc:  # a symlink loop met while following any path the user gave

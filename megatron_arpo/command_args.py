@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from megatron_arpo.config import ExperimentConfig, load_config
 
@@ -18,3 +19,16 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> ExperimentConfig:
     return load_config(args.config, args.overrides)
+
+
+class DeprecatedAlias(argparse.Action):
+    """An old option name that still works: stores into the new option's dest and warns once on stderr."""
+
+    def __init__(self, option_strings, dest, new: str, **kwargs):
+        self.new = new
+        kwargs["help"] = f"deprecated alias of {new}"
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"{parser.prog}: warning: {option_string} is deprecated; use {self.new}", file=sys.stderr)
+        setattr(namespace, self.dest, values)

@@ -201,7 +201,7 @@ class Demo:
 
     def _eval(self, stage: str, model: Path) -> None:
         out = self.run_dir / "eval" / stage
-        self._run(stage, ["eval", *self._config_args(), "--model", str(model), "--tokenizer", str(model),
+        self._run(stage, ["eval", *self._config_args(), "--hf", str(model), "--tokenizer", str(model),
                           "--datasets", ",".join(f"{s}:qa" for s in self.sources()),
                           "--data-dir", str(self.eval_data), "--out", str(out), "--greedy",
                           "--max-samples", str(self.cfg.eval.max_samples or 100000), "--dtype", self.eval_dtype()])
@@ -451,13 +451,13 @@ def demo_main(argv: Sequence[str]) -> int:
                              "(<trainer.run_dir>-seeds.md); each seed's run directory is <trainer.run_dir>-seed<S>")
     parser.add_argument("--run-dir", default=None, help="default: trainer.run_dir, with -seed<S> for --seed S")
     parser.add_argument("--sft-tool-fraction", type=float, default=DEFAULT_SFT_TOOL_FRACTION,
-                        help="share of the SFT trajectories that call the tool")
+                        help="share of the SFT trajectories that call the tool (default: %(default)s)")
     parser.add_argument("--tokenizer", default="local", choices=TOKENIZER_KINDS,
                         help="tokenizer of the initial checkpoint: the small local one (default), or the real Qwen "
                              "BPE of qwen3 / qwq, which needs a model.config at its vocabulary size "
                              "(e.g. tiny-qwen3-qwen-vocab / tiny-qwq-qwen-vocab)")
     parser.add_argument("--stages", default=",".join(STAGES),
-                        help=f"comma-separated subset of {','.join(STAGES)} (the summary is always written)")
+                        help=f"comma-separated subset of {','.join(STAGES)} (default: all; the summary is always written)")
     args = parser.parse_args(list(argv))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     install_log_redaction()

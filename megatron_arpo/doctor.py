@@ -16,6 +16,9 @@ the trainer relies on, with what was found and, for a failure, the fix:
   ``CUDA_VISIBLE_DEVICES`` (``megatron_arpo.cluster.ray_compat``), and whether this environment asks Ray
   to blank it (the engines override that, the row says so);
 - megatron-core at the version the CPU compat layer and the converters are written against; Apex (optional);
+- the python tool's sandbox: the tool is built with the config's ``tools.python`` settings (defaults
+  without ``--config``), which runs one trivial program in bubblewrap as the sandbox user: bubblewrap
+  missing, user namespaces disabled or a missing sandbox user fail here with the fix (docs/sandbox.md);
 - the install lock (``constraints/cpu.txt`` on a CPU build of torch, ``constraints/gpu.txt`` otherwise): every
   pinned package installed at its pinned version (a warning names each one that is not);
 - the run directory: writable (a file is written, fsynced, read back and removed) and on a filesystem
@@ -29,7 +32,9 @@ which GPU pieces are missing, which is what its test checks.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import importlib
+import inspect
 import importlib.metadata as metadata
 import json
 import os
@@ -289,7 +294,30 @@ def check_run_dir(run_dir: Path, mounts_file: str = "/proc/mounts") -> list[Chec
     return rows
 
 
-def run_checks(run_dir: Path, min_gpu_memory_gib: float) -> list[Check]:
+def check_sandbox(python_section: Mapping | None = None) -> Check:
+    """The python tool's own sandbox probe (``tools.python``): one trivial run in bubblewrap."""
+    from megatron_arpo.tools.containment import SandboxUnavailable
+    from megatron_arpo.tools.registry import build_python_tool
+
+    section = dict(python_section or {})
+    if section and not section.get("enabled", True):
+        return Check("python sandbox", PASS, "tools.python is disabled: no sandbox needed")
+    section.pop("enabled", None)
+    try:
+        tool = build_python_tool(section)
+    except (SandboxUnavailable, ValueError, OSError) as exc:
+        return Check("python sandbox", FAIL, str(exc).split(". Fix that")[0],
+                     "install bubblewrap and allow unprivileged user namespaces (docs/sandbox.md), or set "
+                     "tools.python.enabled: false")
+    if inspect.iscoroutinefunction(tool.close):
+        asyncio.run(tool.close())
+    if tool.isolation["mode"] != "bwrap":  # best_effort fell back to rlimits only
+        return Check("python sandbox", WARN, f"no isolation: {tool.isolation['description']}",
+                     "install bubblewrap and allow unprivileged user namespaces (docs/sandbox.md)")
+    return Check("python sandbox", PASS, tool.isolation["description"])
+
+
+def run_checks(run_dir: Path, min_gpu_memory_gib: float, python_section: Mapping | None = None) -> list[Check]:
     rows = check_torch()
     torch_version = None
     try:
@@ -302,6 +330,7 @@ def run_checks(run_dir: Path, min_gpu_memory_gib: float) -> list[Check]:
     rows += check_vllm(torch_version)
     rows.append(check_ray())
     rows += check_megatron()
+    rows.append(check_sandbox(python_section))
     rows.append(check_lock(cuda_build="+cpu" not in (torch_version or "+cpu")))
     rows += check_run_dir(run_dir)
     return rows
@@ -323,17 +352,23 @@ def format_table(rows: Sequence[Check]) -> str:
 def doctor_main(argv: Sequence[str], emit: Callable[[str], None] = print) -> int:
 
     parser = argparse.ArgumentParser(prog=f"{PROG} doctor", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", default=None, help="experiment YAML: its trainer.run_dir is checked")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--config", default=None,
+                        help="experiment YAML: its trainer.run_dir and tools.python sandbox are checked")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config key (needs --config), repeatable")
     parser.add_argument("--run-dir", default=None, help="directory to check (default: the config's, else .)")
-    parser.add_argument("--min-gpu-memory-gib", type=float, default=40.0)
+    parser.add_argument("--min-gpu-memory-gib", type=float, default=40.0,
+                        help="free memory each GPU needs (default: %(default)s)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = parser.parse_args(list(argv))
     run_dir = Path(args.run_dir) if args.run_dir else Path(".")
-    if args.config and not args.run_dir:
+    python_section = None
+    if args.config:
         from megatron_arpo.config import load_config
 
-        run_dir = load_config(args.config, args.overrides).run_dir
-    rows = run_checks(run_dir, args.min_gpu_memory_gib)
+        cfg = load_config(args.config, args.overrides)
+        run_dir = Path(args.run_dir) if args.run_dir else cfg.run_dir
+        python_section = cfg.to_dict()["tools"]["python"]
+    rows = run_checks(run_dir, args.min_gpu_memory_gib, python_section)
     emit(json.dumps([asdict(r) for r in rows], indent=2) if args.json else format_table(rows))
     return 1 if any(r.status == FAIL for r in rows) else 0

@@ -86,6 +86,7 @@ def train(cfg, resume: str = "auto", replay_dir: str | None = None) -> int:
                        **metrics.tool_metrics(trajs, result.stats, tools_before, tools_after, steps.tool_tags(rt, trajs)),
                        **metrics.token_statistics(batch, trajs, cfg.rollout.entropy_window),
                        **metrics.actor_metrics(update, logprob_info["padding_fraction"]),
+                       **steps.signal_metrics(rt, batch, step),
                        **phase, **sync, **val, **timer.metrics(), **lead.observe(timer.seconds),
                        **metrics.data_metrics([p.prompt_id.split(":", 1)[1] for p in prompts], rt.sampler.state_dict())}
                 # The step's row and records are durable before the checkpoint that covers them is published: a
@@ -110,16 +111,15 @@ def train(cfg, resume: str = "auto", replay_dir: str | None = None) -> int:
             code = stop.exit_code(cfg.launcher.preempt_exit_code)
             logger.warning("stopped at step %d on request; exit code %d", rt.step, code)
             return code
-        if t.export_hf_at_end:
-            checkpointing.export_hf(rt)
+        hf_dir = checkpointing.export_hf(rt) if t.export_hf_at_end else None
+        checkpointing.write_finished(rt, hf_dir)
         logger.info("training done: %d steps in %s", rt.step, rt.run_dir)
         return 0
 
 
 def train_main(argv: Sequence[str]) -> int:
-    from megatron_arpo.config import validate_paths
     from megatron_arpo.errors import InputError, as_symlink_loop
-    from megatron_arpo.preflight import check_tools
+    from megatron_arpo.preflight import preflight
     from megatron_arpo.tracking import setup_console_logging
 
     parser = argparse.ArgumentParser(prog=f"{PROG} train", description=__doc__.split("\n\n")[0])
@@ -133,13 +133,19 @@ def train_main(argv: Sequence[str]) -> int:
     args = parser.parse_args(list(argv))
     cfg = config_from_args(args)
     setup_console_logging(cfg.logging.console_level)
-    validate_paths(cfg, for_command="train")
-    if args.replay_rollouts is None:
-        check_tools(cfg)  # the tools run in this process: a sandbox or key problem is an input error
-    else:
+    if args.replay_rollouts is not None:
         from megatron_arpo.trainer.replay import ReplaySource
 
         ReplaySource.open(args.replay_rollouts)  # a bad DIR: exit 2 before anything starts
+    # Paths, the checkpoint against model.config, the tokenizer and (the tools run in this process) the tools:
+    # every problem at once, before Ray starts. The rows are read once, by the runtime.
+    preflight(cfg, "train", data=False, probe=False, tools=args.replay_rollouts is None)
+    done = None if args.replay_rollouts else checkpointing.finished_run(cfg, args.resume or cfg.trainer.resume)
+    if done is not None:  # nothing to train or export: do not start Ray and the engines
+        print(f"{cfg.run_dir}: already finished ({done['step']} of {done['total_steps']} steps, checkpoint "
+              f"{done['checkpoint']}" + (f", final policy {done['hf']}" if done["hf"] else "") + "); nothing to do. "
+              f"To train further, raise trainer.total_epochs or trainer.total_steps")
+        return 0
     try:
         return train(cfg, args.resume or cfg.trainer.resume, args.replay_rollouts)
     except InputError:

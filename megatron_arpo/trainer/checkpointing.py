@@ -22,6 +22,10 @@ shared /tmp that another user could create first (``megatron_arpo.tools.cache.pr
 owner and mode). On a network filesystem the cache uses a rollback journal instead of WAL, whose shared
 memory such filesystems do not provide; only the trainer process uses the cache (the tools run in it).
 
+A run that ends writes ``<run_dir>/finished.json`` (its last checkpoint, the HF export, a digest of the
+resolved config); ``finished_run`` finds it again, so rerunning a finished run with ``--resume auto`` and
+the same config says so and exits without starting Ray or engines just to re-export.
+
 ``resolve_resume``: ``auto`` = the newest complete checkpoint under ``<run_dir>/checkpoints`` (or none:
 a fresh start); ``none`` = a fresh start, refused when that directory already holds checkpoints (their
 step numbers would collide with the new run's); anything else is a path to a checkpoint root or a
@@ -30,15 +34,19 @@ step numbers would collide with the new run's); anything else is a path to a che
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 from pathlib import Path
 from typing import Any, Optional
 
 from megatron_arpo.errors import InputError
+from megatron_arpo.fsutil import atomic_write
 
 logger = logging.getLogger(__name__)
 
 TOOL_CACHE_SNAPSHOT = "tool_cache.sqlite"
+FINISHED = "finished.json"
 
 
 class ResumeError(InputError):
@@ -147,3 +155,44 @@ def export_hf(rt: Any) -> Path:
     rt.actor.workers.call_all("write_hf_checkpoint", str(out), timeout=rt.cfg.trainer.timeouts.save_s)
     logger.info("HF checkpoint of the final policy: %s", out)
     return out
+
+
+def config_digest(cfg: Any) -> str:
+    """sha256 of the resolved config (paths absolute, as the runtime holds it)."""
+    from megatron_arpo.trainer.runtime import with_absolute_paths
+
+    return hashlib.sha256(json.dumps(with_absolute_paths(cfg).to_dict(), sort_keys=True, default=str)
+                          .encode()).hexdigest()
+
+
+def write_finished(rt: Any, hf_dir: Optional[Path]) -> None:
+    """``<run_dir>/finished.json``: this config's run is done, at this checkpoint, with this export."""
+    from megatron_arpo.actor.checkpoint import latest_checkpoint
+
+    last = latest_checkpoint(Path(rt.run_dir) / "checkpoints")  # Runtime.checkpoint_root
+    record = {"step": rt.step, "total_steps": rt.total_steps, "checkpoint": last.name if last else None,
+              "hf": str(hf_dir) if hf_dir else None, "config_sha256": config_digest(rt.cfg)}
+    with atomic_write(Path(rt.run_dir) / FINISHED) as fh:
+        fh.write(json.dumps(record, indent=2) + "\n")
+
+
+def finished_run(cfg: Any, resume: str) -> Optional[dict[str, Any]]:
+    """The finished record of this run when rerunning it would do nothing: ``--resume auto``, the same
+    config, the same newest checkpoint, and the HF export (if it made one) still there. Else None."""
+    from megatron_arpo.actor.checkpoint import latest_checkpoint
+
+    path = Path(cfg.run_dir) / FINISHED
+    if (resume or "auto").strip() != "auto" or not path.exists():
+        return None
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    last = latest_checkpoint(Path(cfg.run_dir) / "checkpoints")
+    if not isinstance(record, dict) or last is None or record.get("checkpoint") != last.name:
+        return None
+    if record.get("config_sha256") != config_digest(cfg):
+        return None  # more epochs, other data, ...: the runtime decides what is left to do
+    if cfg.trainer.export_hf_at_end and not (record.get("hf") and (Path(record["hf"]) / "config.json").exists()):
+        return None  # the export is missing: redo it
+    return record

@@ -12,6 +12,7 @@
   per prompt group so each gets its own ground truth and data source.
 - ``make_train_batch``: GRPO advantages over each prompt's group and the actor's batch format (one
   entry per trajectory: prompt + response ids, loss mask 0 on prompt and tool-result tokens).
+  ``signal_metrics`` warns about a step whose every group has zero advantage, with a running count.
 - ``add_log_probs``: old log-probs (and per-token entropy, for metrics) from the policy group; reference
   log-probs from the reference group when ``algorithm.use_reference`` is on.
 - ``sync_weights``: the actor ranks stream their weights into every engine (``ActorGroup.sync_weights``:
@@ -26,8 +27,10 @@ step's records, ``score`` keeps their recorded rewards, and ``sync_weights`` has
 
 from __future__ import annotations
 
+import json
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -101,9 +104,49 @@ def make_train_batch(rt: Any, result: Any) -> dict[str, Any]:
     group_ids = [t.prompt_index for t in trajs]
     advantages = grpo_advantages([t.reward for t in trajs], group_ids, norm_by_std=alg.norm_by_std,
                                  eps=alg.advantage_eps)
+    rewards: dict[int, set] = {}
+    for t in trajs:
+        rewards.setdefault(t.prompt_index, set()).add(t.reward)
     return {"input_ids": [t.prompt_token_ids + t.response_ids for t in trajs],
             "loss_mask": [[0] * len(t.prompt_token_ids) + list(t.loss_mask) for t in trajs],
-            "advantages": advantages.tolist(), "group_ids": group_ids}
+            "advantages": advantages.tolist(), "group_ids": group_ids,
+            # a group whose rewards are all equal has zero advantage: it teaches nothing
+            "groups_with_signal": sum(len(r) > 1 for r in rewards.values())}
+
+
+def signal_metrics(rt: Any, batch: dict[str, Any], step: int) -> dict[str, float]:
+    """``train/zero_signal_steps``: steps so far in which every group had zero advantage (warned each time).
+
+    The count continues a resumed run's from its ``metrics.jsonl``; such a step still runs the update (the
+    KL and entropy terms may move the policy), but its policy-gradient is zero."""
+    if "groups_with_signal" not in batch:
+        return {}
+    if not hasattr(rt, "zero_signal_steps"):
+        rt.zero_signal_steps = _logged_zero_signal_steps(Path(rt.run_dir) / "metrics.jsonl", step)
+    zero = batch["groups_with_signal"] == 0
+    if zero:
+        rt.zero_signal_steps += 1
+        logger.warning("step %d: no learning signal: every group's trajectories got the same reward, so every "
+                       "advantage is 0 (%d such step(s) so far); too easy or too hard prompts, or a broken reward",
+                       step, rt.zero_signal_steps)
+    return {"train/zero_signal": float(zero), "train/zero_signal_steps": float(rt.zero_signal_steps)}
+
+
+def _logged_zero_signal_steps(path: Path, step: int) -> int:
+    """The running count in the last row before ``step`` of a resumed run's metrics.jsonl (0 if none)."""
+    count = 0
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return 0
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and row.get("step", step) < step and "train/zero_signal_steps" in row:
+            count = int(row["train/zero_signal_steps"])
+    return count
 
 
 def add_log_probs(rt: Any, batch: dict[str, Any], timer: Any) -> dict[str, float]:

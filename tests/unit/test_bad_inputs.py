@@ -37,8 +37,10 @@ def _base(d: Path, **sections) -> dict:
     qa = d / "qa.jsonl"
     if not qa.exists():
         qa.write_text(json.dumps({"question": "Capital of France?", "answer": "Paris"}) + "\n")
-    (d / "hf").mkdir(exist_ok=True)  # `config validate --paths` checks the directory exists; `train` cases use a real one
-    cfg = {"name": "bad", "model": {"config": "tiny-qwen3", "hf_checkpoint": str(d / "hf")}, "rollout": {"response_length": 256},
+    from megatron_arpo.tiny.checkpoint import tiny_checkpoint
+
+    # A real checkpoint: `config validate --paths` checks its config.json against model.config and its tokenizer.
+    cfg = {"name": "bad", "model": {"config": "tiny-qwen3", "hf_checkpoint": str(tiny_checkpoint("tiny-qwen3"))}, "rollout": {"response_length": 256},
            "tools": {"search": {"enabled": False}}, "trainer": {"run_dir": str(d / "run")},
            "launcher": {"gpus_per_node": 0}, "data": {"train_files": [str(qa)]}}
     for key, value in sections.items():

@@ -76,15 +76,16 @@ def test_training_checkpoint_layout_and_errors(tmp_path):
 
 
 @pytest.mark.parametrize("config", ["model_configs/qwq-32b.yaml", "model_configs/qwen3-32b.yaml"])
-def test_plan_32b(config):
-    proc = run_cli("plan", "--model-config", config, "--tp", 8, "--pp", 4)
+def test_shapes_32b(config):
+    proc = run_cli("shapes", "--model-config", config, "--tp", 8, "--pp", 4)
     lines = proc.stdout.splitlines()
     assert sum(1 for line in lines if line.rstrip().endswith(" ok")) == 32
     assert "mapping covers every parameter of every rank" in proc.stdout
 
 
-def test_plan_rejects_bad_layout():
+def test_shapes_rejects_bad_layout_and_plan_is_its_deprecated_name():
     proc = run_cli("plan", "--model-config", "qwq-32b", "--tp", 16, "--pp", 4, check=False)
+    assert "use `megatron-arpo convert shapes`" in proc.stderr
     assert proc.returncode == 2 and "tensor_parallel: 16 does not divide qwq-32b num_attention_heads 40; " \
         "valid values: [1, 2, 4, 8]" in proc.stderr
 

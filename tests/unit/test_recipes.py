@@ -23,6 +23,9 @@ RECIPES = {
     "configs/qwq-32b-arpo-deepsearch.yaml": {"model": "qwq-32b", "tools": {"search", "python"}, "call_limit": 6},
     "configs/qwen3-32b-arpo-reasoning.yaml": {"model": "qwen3-32b", "tools": {"search", "python"}, "call_limit": 3},
 }
+# The cold-start SFT recipe of each RL recipe: same model and actor layout; its HF export is the RL checkpoint.
+SFT_RECIPES = {"configs/qwq-32b-sft.yaml": "configs/qwq-32b-arpo-deepsearch.yaml",
+               "configs/qwen3-32b-sft.yaml": "configs/qwen3-32b-arpo-reasoning.yaml"}
 GPUS = ("h100-80g", "h200-141g", "a100-80g")
 SLURM_ARGS = ("--partition", "P", "--account", "A", "--time", "48:00:00")
 
@@ -84,6 +87,26 @@ def test_recipe_loads_and_validates(recipe):
     assert cfg.tools.search.backend == "http" and cfg.tools.search.url.startswith("http://")
     # every data file is a placeholder under data/ (no absolute paths in committed configs)
     assert all(f.startswith("data/") for f in cfg.data.train_files + cfg.data.val_files)
+
+
+@pytest.mark.parametrize("sft_recipe", sorted(SFT_RECIPES))
+def test_sft_recipe_validates_and_hands_its_export_to_the_rl_recipe(sft_recipe, capsys):
+    from megatron_arpo import cli
+    from megatron_arpo.sft import sft_output_dir
+
+    with _in_repo_root():
+        assert cli.main(["config", "validate", "--config", sft_recipe]) == 0, capsys.readouterr().err
+    sft, rl = load_config(ROOT / sft_recipe), load_config(ROOT / SFT_RECIPES[sft_recipe])
+    assert sft.model.config == rl.model.config
+    layout = lambda c: (c.launcher.nodes, c.launcher.gpus_per_node, c.actor.tensor_parallel, c.actor.pipeline_parallel,
+                        c.actor.sequence_parallel, c.actor.params_dtype)
+    assert layout(sft) == layout(rl) == (4, 8, 8, 2, True, "bf16")
+    assert sft.sft.export_hf and str(sft_output_dir(sft) / "hf") == rl.model.hf_checkpoint
+    assert sft.actor.micro_batch_tokens >= sft.sft.max_seq_tokens  # a full conversation fits a micro-batch
+    # ARPO's cold-start stage (docs/design/arpo_reference.md §3.3)
+    assert (sft.sft.lr, sft.sft.lr_schedule, sft.sft.warmup_fraction, sft.sft.epochs, sft.sft.global_batch_size,
+            sft.sft.max_seq_tokens) == (7e-6, "cosine", 0.1, 3, 16, 15000)
+    assert all(f.startswith("data/") for f in sft.sft.train_files)
 
 
 @pytest.mark.parametrize("recipe", sorted(RECIPES))

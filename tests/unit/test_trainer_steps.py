@@ -46,6 +46,24 @@ def test_make_train_batch_is_grpo_over_prompt_groups_with_prompt_and_tool_tokens
     assert batch["advantages"][0] > 0 > batch["advantages"][1] and batch["advantages"][2] == 0.0
 
 
+def test_a_step_without_learning_signal_is_warned_with_a_running_count(tmp_path, caplog):
+    """Every group's rewards equal: all advantages 0, a warning and train/zero_signal_steps; a resumed run
+    continues the count from metrics.jsonl."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "train/zero_signal_steps": 2}\n'
+                                            '{"step": 5, "train/zero_signal_steps": 9}\n')  # after the resume point
+    rt = SimpleNamespace(cfg=config(), run_dir=tmp_path)
+    flat = [[traj(0, 0, 1.0, [7], [1]), traj(0, 1, 1.0, [8], [1])], [traj(1, 0, 0.0, [4], [1]), traj(1, 1, 0.0, [6], [1])]]
+    batch = steps.make_train_batch(rt, RolloutResult(groups=flat, prompt_info=[{}, {}], stats={}))
+    assert batch["groups_with_signal"] == 0 and batch["advantages"] == [0.0] * 4
+    with caplog.at_level("WARNING"):
+        assert steps.signal_metrics(rt, batch, 2) == {"train/zero_signal": 1.0, "train/zero_signal_steps": 3.0}
+        assert steps.signal_metrics(rt, batch, 3)["train/zero_signal_steps"] == 4.0
+    assert "step 3: no learning signal" in caplog.text and "(4 such step(s) so far)" in caplog.text
+    mixed = [[traj(0, 0, 1.0, [7], [1]), traj(0, 1, 0.0, [8], [1])]]
+    batch = steps.make_train_batch(rt, RolloutResult(groups=mixed, prompt_info=[{}], stats={}))
+    assert steps.signal_metrics(rt, batch, 4) == {"train/zero_signal": 0.0, "train/zero_signal_steps": 4.0}
+
+
 def test_make_train_batch_rejects_a_broken_record():
     rt = SimpleNamespace(cfg=config())
     bad = traj(0, 0, 1.0, [7, 8], [1])  # mask shorter than the response
