@@ -77,6 +77,7 @@ METRIC_KEYS: tuple[str, ...] = (
     "time/<phase>_s", "time/step_s", "time/outside_model_frac",
     "preempt/needed_lead_s",
     "data/epoch", "data/position", "data/prompt_uids",
+    "train/zero_signal", "train/zero_signal_steps",
 )
 
 
