@@ -4,7 +4,9 @@ Real everything: Megatron actor at TP=2 (two Ray actors, gloo), one vLLM engine 
 resource pool (``trainer.placement: separate``; the resume test covers ``colocated``), a frozen reference group for
 the KL term, the python sandbox and local BM25 search tools, weight sync from the actor ranks into the
 engine (gloo weight-transfer engine) with verification, validation, checkpoints, wandb (offline), and the final HF export. The trainer runs as a
-subprocess joining the cluster with RAY_ADDRESS, as the launchers start it.
+subprocess joining the cluster with RAY_ADDRESS, as the launchers start it. It runs with
+``trainer.deterministic: true``, so the actor's deterministic path (Megatron's deterministic mode, torch's
+deterministic algorithms) runs end to end here; the default path is the determinism test's.
 """
 
 from __future__ import annotations
@@ -57,12 +59,13 @@ def test_two_rl_steps_end_to_end(_ray_two_node_cluster, tmp_path):  # noqa: F811
     log = tmp_path / "train.log"
     cmd = train_command(str(hf_dir), data, run_dir, "logging.wandb.mode=offline", "trainer.placement=separate",
                         "trainer.actor_devices=2", "trainer.rollout_devices=1", "algorithm.use_reference=true",
-                        "algorithm.kl.coef=0.01", resume="auto")
+                        "algorithm.kl.coef=0.01", "trainer.deterministic=true", resume="auto")
     with open(log, "w") as out:
         proc = subprocess.run(cmd, cwd=REPO, env=train_env(data, _ray_two_node_cluster.address), stdout=out,
                               stderr=subprocess.STDOUT, timeout=720)
     text = log_tail(log, 10**7)
     assert proc.returncode == 0, log_tail(log)
+    assert "trainer.deterministic: on" in text
 
     rows = read_rows(run_dir)
     assert [r["step"] for r in rows] == [1, 2]
