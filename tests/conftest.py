@@ -24,6 +24,8 @@ os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_TESTS, os.environ.get("P
 # built once per machine (cached under .cache/tiny), shared by every tier.
 import pytest  # noqa: E402
 
+from support.root_logging import restore_root_handlers  # noqa: E402,F401  (autouse: every test)
+
 
 @pytest.fixture(scope="session")
 def qwen3_checkpoint():

@@ -1,4 +1,4 @@
-"""An autouse fixture for tests that run a CLI in-process: the CLI's ``logging.basicConfig`` adds root handlers
+"""An autouse fixture for every test (tests/conftest.py imports it), for those that run a CLI in-process: the CLI's ``logging.basicConfig`` adds root handlers
 on pytest's capture streams, which are closed after the test; this removes the handlers the test added."""
 
 from __future__ import annotations

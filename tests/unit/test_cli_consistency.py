@@ -14,7 +14,6 @@ import importlib
 import pytest
 
 from megatron_arpo import cli
-from support.root_logging import restore_root_handlers  # noqa: F401  (autouse)
 
 
 class _Captured(Exception):

@@ -20,7 +20,6 @@ import yaml
 from launchers.cli import job_of
 from megatron_arpo import cli
 from megatron_arpo.tiny.checkpoint import tiny_checkpoint
-from support.root_logging import restore_root_handlers  # noqa: F401  (autouse)
 
 STUB_SBATCH = """#!/bin/sh
 echo "$@" >> "{calls}"
