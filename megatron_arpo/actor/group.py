@@ -88,6 +88,7 @@ class ActorGroup:
         worker_kwargs: Optional[Mapping[str, Any]] = None,
         name: Optional[str] = None,
         optim_settings: Any = None,
+        transport: Optional[str] = None,
     ):
         from megatron_arpo.config import actor_world_size
 
@@ -103,6 +104,7 @@ class ActorGroup:
                              f"actor.pipeline_parallel = {self.tp * self.pp}")
         self.dp = self.world_size // (self.tp * self.pp)
         self.timeouts = cfg.trainer.timeouts
+        self.transport = transport  # the weight-sync transport (`megatron_arpo.weight_sync.protocol.choose_transport`)
         self._sync = None
         self._syncs_done = 0   # finished weight syncs of this process (rollout.verify_sync: first)
         if worker_cls is None:
@@ -266,9 +268,10 @@ class ActorGroup:
         from megatron_arpo.weight_sync import protocol as ws
 
         self.close_sync()
-        transport = ws.choose_transport(self.cfg.rollout.sync_transport, self.cfg.launcher.gpus_per_node > 0,
-                                        self.cfg.trainer.placement)
         infos = ws.call_engines(refs, "weight_transfer_info", timeout=timeout)
+        # The transport was chosen once, when the run started (the engines were built with it too); a group
+        # given none sends over the transport the engines were started for.
+        transport = self.transport or infos[0].get("transport")
         for ref, info in zip(refs, infos):
             if info.get("transport") != transport:
                 raise ws.WeightSyncError(f"weight sync: engine {ref.index} was started for the "

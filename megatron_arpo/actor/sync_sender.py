@@ -7,7 +7,7 @@
    replica 0, tensor-parallel rank 0 — reserves an endpoint on its node and returns it; the driver hands
    the endpoints to the engines.
 2. ``open(engines, world_size)`` (once, while the engines join): the stage senders join their group as
-   rank 0 (`megatron_arpo.weight_sync.senders`).
+   rank 0 (`megatron_arpo.weight_sync.senders`, one module per transport).
 3. ``send(sync_id, ...)`` (every sync). ``gloo``/``nccl``: stage after stage (the engines take one sender
    at a time; two stages sending to the same engines at once could deadlock their broadcasts), the stage's
    TP ranks gather each bucket's shards on the sender (``megatron_arpo.actor.hf_live.stage_hf_buckets``: mapped through
@@ -38,6 +38,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_arpo.weight_sync.protocol import BufferPool
+from megatron_arpo.weight_sync.senders import make_sender
+from megatron_arpo.weight_sync.senders.base import reserve_endpoint
 
 logger = logging.getLogger(__name__)
 
@@ -69,8 +71,6 @@ class ActorSync:
 
     def reserve(self, transport: str) -> Optional[tuple[int, tuple[str, int]]]:
         """``(pipeline stage, (host, port))`` on the stage senders of gloo/nccl; None elsewhere."""
-        from megatron_arpo.weight_sync.senders import reserve_endpoint
-
         self.close()
         self.transport = transport
         if transport == "ipc" or not self.is_stage_sender:
@@ -79,8 +79,6 @@ class ActorSync:
         return self.worker.pp_rank, self._endpoint[0]
 
     def open(self, engines: Sequence[Any], world_size: int, timeout_s: float) -> None:
-        from megatron_arpo.weight_sync.senders import make_sender
-
         if self.transport is None:
             raise RuntimeError("ActorSync.reserve(transport) must run before open()")
         if self.transport == "ipc":

@@ -393,7 +393,7 @@ def start_runtime(cfg: Any, resume: str, replay_dir: Optional[str] = None) -> Ru
                            * cfg.actor.ppo_epochs)
         rt.actor = ActorGroup(cfg, role="policy", hf_dir=hf_dir,
                               load_dir=str(rt.resume_from) if rt.resume_from else None,
-                              total_steps=optimizer_steps, pools=rt.pools)
+                              total_steps=optimizer_steps, pools=rt.pools, transport=rt.transport)
         rt.phases.note("actor ready" + (f" (resumed from {rt.resume_from.name})" if rt.resume_from else ""))
         record_placement(cfg, rt.actor)
         if cfg.algorithm.use_reference:
