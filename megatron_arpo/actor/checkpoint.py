@@ -43,8 +43,8 @@ import torch.distributed as dist
 
 import yaml
 
-from conversion.dcp_pickles import ForeignPickleError
-from conversion.dcp_read import read_dcp_metadata
+from megatron_arpo.ckpt_format.dcp_pickles import ForeignPickleError
+from megatron_arpo.ckpt_format.torch_dist import read_dcp_metadata, resolve_checkpoint_dir
 from megatron_arpo.actor.checkpoint_pickles import (common_load_strategy, install_restricted_unpickling, load_rng_file,
                                                     refusals_named)
 from megatron_arpo.fsutil import fsync_path
@@ -254,8 +254,6 @@ def resolve_load_dir(path: str | os.PathLike) -> tuple[Path, Path]:
     ckpt = latest_checkpoint(path)
     if ckpt is not None:
         return ckpt, ckpt / "model"
-    from conversion.dist_ckpt import resolve_checkpoint_dir
-
     try:
         model_dir = resolve_checkpoint_dir(path)
     except FileNotFoundError as exc:
