@@ -1,8 +1,9 @@
 """The driver's view of the Megatron actor: one object over TP x PP x DP Ray actors, one per rank.
 
 ``ActorGroup(cfg)`` starts a ``megatron_arpo.cluster.worker_group.WorkerGroup`` of
-``megatron_arpo.actor.worker.MegatronActorWorker`` (world = ``actor_world_size(cfg)``), in its own
-placement group or in the actor pool of ``megatron_arpo.cluster.placement.ResourcePools``, then
+``megatron_arpo.actor.worker.MegatronActorWorker`` (TP x PP x DP from ``cfg.layout``, the run's
+``megatron_arpo.parallel_layout.ParallelLayout``), in its own placement group or in the actor pool of
+``megatron_arpo.cluster.placement.ResourcePools``, then
 ``init_model`` on every rank. After start it asks each rank for its Megatron coordinates
 (``dp_rank``, ``tp_rank``, ``pp_rank``, ``is_last_stage``) rather than assuming Megatron's rank order.
 
@@ -40,6 +41,7 @@ from typing import Any, Mapping, Optional, Sequence
 from megatron_arpo.actor import packing
 from megatron_arpo.cluster.placement import refuse_split_groups
 from megatron_arpo.cluster.worker_group import WorkerGroup
+from megatron_arpo.parallel_layout import ParallelLayout
 
 logger = logging.getLogger(__name__)
 
@@ -89,27 +91,19 @@ class ActorGroup:
         name: Optional[str] = None,
         optim_settings: Any = None,
         transport: Optional[str] = None,
+        parallel: Optional[ParallelLayout] = None,
     ):
-        from megatron_arpo.config import actor_world_size
-
         self.cfg, self.role = cfg, role
-        a = cfg.actor
-        self.tp, self.pp = a.tensor_parallel, a.pipeline_parallel
-        if self.tp is None or self.pp is None:
-            raise ValueError("actor.tensor_parallel/pipeline_parallel are unresolved; build the config with "
-                             "megatron_arpo.config.load_config/build_config")
-        self.world_size = actor_world_size(cfg)
-        if self.world_size % (self.tp * self.pp):
-            raise ValueError(f"actor world size {self.world_size} is not a multiple of actor.tensor_parallel x "
-                             f"actor.pipeline_parallel = {self.tp * self.pp}")
-        self.dp = self.world_size // (self.tp * self.pp)
+        self.parallel = cfg.layout if parallel is None else parallel
+        self.tp, self.pp, self.dp = self.parallel.tp, self.parallel.pp, self.parallel.dp
+        self.world_size = self.parallel.world_size
         self.timeouts = cfg.trainer.timeouts
         self.transport = transport  # the weight-sync transport (`megatron_arpo.weight_sync.protocol.choose_transport`)
         self._sync = None
         self._syncs_done = 0   # finished weight syncs of this process (rollout.verify_sync: first)
         if worker_cls is None:
             from megatron_arpo.actor.worker import MegatronActorWorker as worker_cls
-        on_gpu = cfg.launcher.gpus_per_node > 0
+        on_gpu = self.parallel.gpus_per_node > 0
         if pools is not None:
             placement_kwargs = pools.actor_group_kwargs()
             if len(placement_kwargs["bundle_indices"]) != self.world_size:

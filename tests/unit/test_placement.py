@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from megatron_arpo.cluster.placement import plan_placement
-from megatron_arpo.config import build_config
+from megatron_arpo.config import ConfigError, build_config
 
 
 def config(**sections):
@@ -80,18 +80,21 @@ def test_separate_cpu_pools_are_process_slots():
 
 
 def test_pools_too_small_are_errors_naming_the_keys():
-    # load-time validation rejects these too; the plan re-checks configs changed after loading
+    # load-time validation rejects these too; a config changed after loading gets its layout (and so its
+    # refusal) when the plan reads cfg.layout
     cfg = config(actor={"tensor_parallel": 2, "data_parallel": 1}, rollout={"num_engines": 2},
                  trainer={"placement": "separate", "actor_devices": 2, "rollout_devices": 2})
     more_engines = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, num_engines=3))
-    with pytest.raises(ValueError, match=r"tensor_parallel = 3 exceeds trainer.rollout_devices 2"):
+    with pytest.raises(ConfigError, match=r"rollout.num_engines x rollout.tensor_parallel = 3 exceeds the 2 rollout "
+                                          r"devices"):
         plan_placement(more_engines)
     small_actor = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, actor_devices=1))
-    with pytest.raises(ValueError, match="actor world size 2 exceeds trainer.actor_devices 1"):
+    with pytest.raises(ConfigError, match=r"actor.tensor_parallel x actor.pipeline_parallel = 2 does not divide the 1 "
+                                          r"actor devices"):
         plan_placement(small_actor)
     no_sizes = dataclasses.replace(cfg, launcher=dataclasses.replace(cfg.launcher, gpus_per_node=8),
                                    trainer=dataclasses.replace(cfg.trainer, rollout_devices=None))
-    with pytest.raises(ValueError, match="trainer.actor_devices and trainer.rollout_devices are required"):
+    with pytest.raises(ConfigError, match="trainer.rollout_devices: required when trainer.placement is 'separate'"):
         plan_placement(no_sizes)
 
 
