@@ -6,29 +6,21 @@ import dataclasses
 
 import pytest
 
-from megatron_arpo.config import ConfigError, build_config
+from megatron_arpo.config import ConfigError
 from megatron_arpo.model_config import load_model_config
 from megatron_arpo.parallel_layout import ParallelLayout, derive_data_parallel, engine_tp_errors, model_layout_errors
-
-
-def config(**sections):
-    raw = {"model": {"config": "tiny-qwen3"}, "rollout": {"response_length": 512},
-           "data": {"max_prompt_tokens": 256}, "tools": {"search": {"enabled": False}},
-           "launcher": {"gpus_per_node": 0}}
-    for key, value in sections.items():
-        raw[key] = {**raw.get(key, {}), **value}
-    return build_config(raw)
+from support.configs import tiny_config
 
 
 def test_cpu_nodes_run_one_replica_unless_data_parallel_is_given():
-    layout = config(actor={"tensor_parallel": 2}).layout
+    layout = tiny_config(actor={"tensor_parallel": 2}).layout
     assert (layout.tp, layout.pp, layout.dp, layout.world_size) == (2, 1, 1, 2)
     assert layout.total_devices is None and layout.engine_slots == 1
-    assert config(actor={"tensor_parallel": 2, "data_parallel": 3}).layout.world_size == 6
+    assert tiny_config(actor={"tensor_parallel": 2, "data_parallel": 3}).layout.world_size == 6
 
 
 def test_gpu_data_parallelism_fills_the_actor_devices():
-    cfg = config(model={"config": "qwen3-8b"}, launcher={"nodes": 2, "gpus_per_node": 8},
+    cfg = tiny_config(model={"config": "qwen3-8b"}, launcher={"nodes": 2, "gpus_per_node": 8},
                  actor={"tensor_parallel": 2, "pipeline_parallel": 2},
                  rollout={"num_engines": 4, "tensor_parallel": 4, "response_length": 1024})
     assert (cfg.layout.dp, cfg.layout.world_size, cfg.layout.total_devices, cfg.layout.engine_slots) == (4, 16, 16, 16)
@@ -39,7 +31,7 @@ def test_gpu_data_parallelism_fills_the_actor_devices():
 
 
 def test_an_actor_worker_takes_the_layout_over_its_actual_world():
-    layout = config(actor={"tensor_parallel": 2}).layout
+    layout = tiny_config(actor={"tensor_parallel": 2}).layout
     assert layout.for_world(4) == dataclasses.replace(layout, dp=2)
     with pytest.raises(ValueError, match=r"world size 3 is not a multiple of actor.tensor_parallel x "
                                          r"actor.pipeline_parallel = 2"):
@@ -52,22 +44,22 @@ def test_an_actor_worker_takes_the_layout_over_its_actual_world():
 def test_sizes_that_do_not_fit_are_refused_naming_the_key_and_the_fix():
     with pytest.raises(ConfigError, match=r"actor.tensor_parallel x actor.pipeline_parallel = 3 does not divide the "
                                           r"8 actor devices; choose tp\*pp among the divisors of 8"):
-        config(model={"config": "qwen3-8b"}, launcher={"gpus_per_node": 8},
+        tiny_config(model={"config": "qwen3-8b"}, launcher={"gpus_per_node": 8},
                actor={"pipeline_parallel": 3, "tensor_parallel": 1})
     with pytest.raises(ConfigError, match=r"actor.data_parallel: 2 gives a world of 4 but there are 8 actor devices; "
                                           r"set it to 4 or null"):
-        config(model={"config": "qwen3-8b"}, launcher={"gpus_per_node": 8},
+        tiny_config(model={"config": "qwen3-8b"}, launcher={"gpus_per_node": 8},
                actor={"tensor_parallel": 2, "data_parallel": 2})
     with pytest.raises(ConfigError, match=r"trainer.actor_devices: required when trainer.placement is 'separate'"):
-        config(trainer={"placement": "separate", "rollout_devices": 1})
+        tiny_config(trainer={"placement": "separate", "rollout_devices": 1})
     with pytest.raises(ConfigError, match=r"rollout.num_engines x rollout.tensor_parallel = 16 exceeds the 8 rollout "
                                           r"devices"):
-        config(model={"config": "qwen3-8b"}, launcher={"gpus_per_node": 8},
+        tiny_config(model={"config": "qwen3-8b"}, launcher={"gpus_per_node": 8},
                rollout={"num_engines": 4, "tensor_parallel": 4, "response_length": 1024})
 
 
 def test_a_config_changed_after_it_was_built_is_checked_when_its_layout_is_read():
-    cfg = config(actor={"tensor_parallel": 2})
+    cfg = tiny_config(actor={"tensor_parallel": 2})
     changed = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, placement="separate"))
     with pytest.raises(ConfigError, match=r"trainer.actor_devices: required"):
         changed.layout
@@ -88,4 +80,4 @@ def test_data_parallelism_is_derived_the_same_way_everywhere():
     assert derive_data_parallel(2, 2, 16) == 4
     assert derive_data_parallel(2, 2, None) == 1
     assert derive_data_parallel(2, 2, 16, data_parallel=2) == 2
-    assert isinstance(config().layout, ParallelLayout)
+    assert isinstance(tiny_config().layout, ParallelLayout)
