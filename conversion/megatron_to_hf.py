@@ -45,7 +45,10 @@ import yaml
 from megatron_arpo.hf import mapping
 from conversion.dcp_read import DistCheckpointReader, check_megatron_metadata
 from megatron_arpo.ckpt_format.torch_dist import resolve_checkpoint_dir
-from megatron_arpo.hf.checkpoint_io import ELEMENT_SIZES, TensorSpec, copy_tokenizer_files, dtype_name, write_json
+from megatron_arpo.hf.checkpoint_io import (ELEMENT_SIZES, SafetensorsShardWriter, TensorSpec, copy_tokenizer_files,
+                                            dtype_name, write_json)
+from megatron_arpo.hf.config_json import write_config_json
+from megatron_arpo.hf.outdir import atomic_output_dir, check_distinct_paths, check_output_dir, write_marker
 from megatron_arpo.model_config import ModelConfig, model_config_from_dict
 
 if TYPE_CHECKING:
@@ -157,10 +160,6 @@ def convert_megatron_to_hf(megatron_dir: str | os.PathLike, out: str | os.PathLi
                            model_cfg: ModelConfig | None = None, overwrite: bool = False,
                            byte_copy: bool = True, allow_nonfinite: bool = False) -> Path:
     """Write the HF checkpoint; its ``conversion.json`` is the report (see the module docstring)."""
-    from megatron_arpo.hf.config_json import write_config_json
-    from megatron_arpo.hf.checkpoint_io import SafetensorsShardWriter
-    from megatron_arpo.hf.outdir import atomic_output_dir, check_distinct_paths, check_output_dir, write_marker
-
     ckpt = resolve_checkpoint_dir(megatron_dir)
     check_distinct_paths(out, {"--megatron": ckpt, "--tokenizer": tokenizer})
     check_output_dir(out, overwrite)

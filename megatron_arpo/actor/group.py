@@ -39,9 +39,15 @@ import time
 from typing import Any, Mapping, Optional, Sequence
 
 from megatron_arpo.actor import packing
+from megatron_arpo.actor.sync_sender import TIED_HEAD_ALIASES
+from megatron_arpo.actor.worker import MegatronActorWorker
 from megatron_arpo.cluster.placement import refuse_split_groups
-from megatron_arpo.cluster.worker_group import WorkerGroup
+from megatron_arpo.cluster.worker_group import WorkerGroup, WorkerGroupError
+from megatron_arpo.config import resolved_model
+from megatron_arpo.hf.mapping import bind_table
 from megatron_arpo.parallel_layout import ParallelLayout
+from megatron_arpo.weight_sync import protocol as ws
+from megatron_arpo.weight_sync.protocol import WeightSyncError
 
 logger = logging.getLogger(__name__)
 
@@ -101,8 +107,7 @@ class ActorGroup:
         self.transport = transport  # the weight-sync transport (`megatron_arpo.weight_sync.protocol.choose_transport`)
         self._sync = None
         self._syncs_done = 0   # finished weight syncs of this process (rollout.verify_sync: first)
-        if worker_cls is None:
-            from megatron_arpo.actor.worker import MegatronActorWorker as worker_cls
+        worker_cls = MegatronActorWorker if worker_cls is None else worker_cls
         on_gpu = self.parallel.gpus_per_node > 0
         if pools is not None:
             placement_kwargs = pools.actor_group_kwargs()
@@ -224,8 +229,6 @@ class ActorGroup:
         both sides. Raises `WeightSyncError` (one line naming the engine) when an engine dies or fails, or a check
         fails; the engines then hold a partial update and refuse to generate until a sync completes.
         """
-        from megatron_arpo.weight_sync import protocol as ws
-
         r = self.cfg.rollout
         timeout = self.timeouts.sync_s if timeout is None else timeout
         refs = ws.engine_refs(engines)
@@ -259,8 +262,6 @@ class ActorGroup:
 
     def _open_sync(self, refs: list, timeout: float) -> None:
         """Form the transfer group: the stage senders' endpoints, the engines' rank offsets, both sides joining."""
-        from megatron_arpo.weight_sync import protocol as ws
-
         self.close_sync()
         infos = ws.call_engines(refs, "weight_transfer_info", timeout=timeout)
         # The transport was chosen once, when the run started (the engines were built with it too); a group
@@ -291,9 +292,6 @@ class ActorGroup:
     @staticmethod
     def _sender_result(pending: Any) -> list:
         """A sender's WeightSyncError (e.g. an engine died mid-sync) surfaces as itself, in one line."""
-        from megatron_arpo.cluster.worker_group import WorkerGroupError
-        from megatron_arpo.weight_sync.protocol import WeightSyncError
-
         try:
             return pending.result()
         except WorkerGroupError as exc:
@@ -304,11 +302,6 @@ class ActorGroup:
 
     def _check_complete(self, report: dict, engine_reports: Sequence[dict]) -> None:
         """Every HF tensor of the model was sent once, and every engine loaded all of them."""
-        from megatron_arpo.hf.mapping import bind_table
-        from megatron_arpo.actor.sync_sender import TIED_HEAD_ALIASES
-        from megatron_arpo.config import resolved_model
-        from megatron_arpo.weight_sync.protocol import WeightSyncError
-
         model_cfg = resolved_model(self.cfg)
         expected = sum(len(rule.hf_outputs) for rule in bind_table(model_cfg))
         expected += len(TIED_HEAD_ALIASES) if model_cfg.tie_word_embeddings else 0

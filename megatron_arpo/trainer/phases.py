@@ -50,6 +50,7 @@ import time
 from typing import Any, Callable, Optional
 
 from megatron_arpo.trainer.state import Runtime
+from megatron_arpo.trainer.steps import sync_weights
 
 logger = logging.getLogger(__name__)
 
@@ -85,8 +86,6 @@ def sleep_engines(rt: Runtime, metrics: Optional[dict] = None) -> None:
 def switch_phase(rt: Runtime, target: str) -> dict[str, float]:
     """Bring the colocated GPUs into ``target`` (see the module docstring); returns the phase metrics
     (``phase/*_s``, ``phase/offload_*``) and, when it synced, the sync metrics (``sync/*``)."""
-    from megatron_arpo.trainer.steps import sync_weights
-
     if target not in PHASES:
         raise ValueError(f"unknown phase {target!r}; allowed: {PHASES}")
     st, metrics = rt.phases, {}

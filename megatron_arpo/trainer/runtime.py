@@ -44,13 +44,30 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
-from megatron_arpo.cluster.placement import PlacementPlan
-from megatron_arpo.config import ExperimentConfig
+from megatron_arpo.cluster.placement import PlacementPlan, ResourcePools, plan_placement
+from megatron_arpo.cluster.runtime import connect_ray
+from megatron_arpo.config import BUILTIN_REWARDS, ExperimentConfig
 from megatron_arpo.config_schema import DataSection
-from megatron_arpo.data.chat import ChatFormat
+from megatron_arpo.data.chat import ChatFormat, load_chat_format
+from megatron_arpo.data.datasets import DEFAULT_SYSTEM_PROMPT, filter_by_length, load_prompt_files, render_prompt
+from megatron_arpo.data.sampler import EpochSampler
+from megatron_arpo.errors import ConfigError
+from megatron_arpo.fsutil import atomic_write
+from megatron_arpo.rewards import get_reward_fn
+from megatron_arpo.rollout.group import RolloutGroup
+from megatron_arpo.tools.base import ToolError, TransportError
+from megatron_arpo.tools.registry import build_tools
+from megatron_arpo.tracking import MetricsLogger
+from megatron_arpo.trainer import checkpointing
+from megatron_arpo.trainer.phases import sleep_engines, switch_phase
+from megatron_arpo.trainer.replay import ReplaySource
 from megatron_arpo.trainer.state import PhaseState, PromptSet, Runtime
+from megatron_arpo.weight_sync.protocol import choose_transport
 
-if TYPE_CHECKING:  # the actor group imports torch: start_runtime imports it when it starts one
+# Imported where they are used: the actor group, the rollout scheduler, the engine and the KV-cache check
+# import torch (the engine also vLLM), the tokenizer transformers; `import megatron_arpo.trainer.runtime`
+# stays light (train.py imports it before the config is read).
+if TYPE_CHECKING:
     from megatron_arpo.actor.group import ActorGroup
 
 logger = logging.getLogger(__name__)
@@ -62,10 +79,6 @@ TOOL_PROBES = {"python": "print(1 + 1)", "search": "capital"}
 
 def load_prompt_set(files: list[str], data: DataSection, chat: ChatFormat) -> PromptSet:
     """``chat``: the checkpoint's `ChatFormat` (its template renders the prompts)."""
-    from megatron_arpo.data.datasets import DEFAULT_SYSTEM_PROMPT, filter_by_length, load_prompt_files, render_prompt
-
-    from megatron_arpo.config import BUILTIN_REWARDS
-
     records, stats = load_prompt_files(files, fmt=data.format, on_bad_row=data.on_bad_row,
                                        system_prompt=data.system_prompt or DEFAULT_SYSTEM_PROMPT,
                                        strict_answers=data.reward in BUILTIN_REWARDS)
@@ -82,8 +95,6 @@ def count_steps(cfg: ExperimentConfig, num_prompts: int) -> int:
         return t.total_steps
     per_epoch = num_prompts // t.train_batch_size if cfg.data.drop_last else math.ceil(num_prompts / t.train_batch_size)
     if per_epoch < 1:
-        from megatron_arpo.config import ConfigError
-
         raise ConfigError([f"trainer.train_batch_size: {t.train_batch_size} exceeds the {num_prompts} training "
                            f"prompts with data.drop_last; lower it, add data, or set trainer.total_steps"])
     return per_epoch * t.total_epochs
@@ -122,7 +133,6 @@ def ready_engines(rt: Runtime, on_gpu: bool) -> None:
     import ray
 
     from megatron_arpo.rollout.kv_cache import check_kv_caches
-    from megatron_arpo.trainer.phases import sleep_engines
 
     _wait_for_engines(rt)
     rt.phases.note("engines ready")
@@ -153,8 +163,6 @@ def _wait_for_engines(rt: Runtime) -> None:
 def _probe_tools(rt: Runtime) -> None:
     """One direct call per tool (no cache, no retries): a backend that is down stops the run here, with
     its error, instead of turning every tool call of training into an error result."""
-    from megatron_arpo.tools.base import ToolError, TransportError
-
     for tag, tool in rt.tools.tools.items():
         try:
             result = rt.run_async(tool.execute(TOOL_PROBES.get(tag, "test")), rt.cfg.tools.timeout_s,
@@ -168,16 +176,12 @@ def _probe_tools(rt: Runtime) -> None:
 
 def record_placement(cfg: ExperimentConfig, actor: ActorGroup) -> None:
     """``<run_dir>/placement.json``: the node each actor rank landed on (for operators and tests)."""
-    from megatron_arpo.fsutil import atomic_write
-
     rows = [dataclasses.asdict(p) for p in actor.workers.placement]
     with atomic_write(cfg.run_dir / "placement.json") as fh:
         json.dump({"actor": rows}, fh, indent=2)
 
 
 def _placement_plan(cfg: ExperimentConfig) -> PlacementPlan:
-    from megatron_arpo.cluster.placement import plan_placement
-
     plan = plan_placement(cfg)
     if cfg.algorithm.use_reference:
         # The frozen reference runs on the policy's bundles: each takes half of the policy's share.
@@ -189,22 +193,11 @@ def start_runtime(cfg: ExperimentConfig, resume: str, replay_dir: Optional[str] 
     from transformers import AutoTokenizer
 
     from megatron_arpo.actor.group import ActorGroup
-    from megatron_arpo.cluster.placement import ResourcePools
-    from megatron_arpo.cluster.runtime import connect_ray
-    from megatron_arpo.data.sampler import EpochSampler
-    from megatron_arpo.rewards import get_reward_fn
-    from megatron_arpo.rollout.group import RolloutGroup
-    from megatron_arpo.data.chat import load_chat_format
     from megatron_arpo.rollout.scheduler import RolloutOptions, RolloutScheduler
-    from megatron_arpo.weight_sync.protocol import choose_transport
-    from megatron_arpo.trainer import checkpointing
-    from megatron_arpo.trainer.phases import switch_phase
 
     cfg = with_absolute_paths(cfg)
     rt = Runtime(cfg=cfg, run_dir=cfg.run_dir)
     if replay_dir is not None:
-        from megatron_arpo.trainer.replay import ReplaySource
-
         rt.replay = ReplaySource.open(replay_dir)  # a bad DIR fails before anything starts
     try:
         rt.run_dir.mkdir(parents=True, exist_ok=True)
@@ -266,9 +259,6 @@ def start_runtime(cfg: ExperimentConfig, resume: str, replay_dir: Optional[str] 
 
 
 def _start_tools(rt: Runtime) -> None:
-    from megatron_arpo.tools.registry import build_tools
-    from megatron_arpo.trainer import checkpointing
-
     tools_cfg = rt.cfg.to_dict()["tools"]
     if tools_cfg["cache"] is not None:
         tools_cfg["cache"]["path"] = checkpointing.tool_cache_path(rt.cfg)  # node-local unless set
@@ -279,8 +269,6 @@ def _start_tools(rt: Runtime) -> None:
 
 
 def _start_metrics_logger(rt: Runtime) -> None:
-    from megatron_arpo.tracking import MetricsLogger
-
     w = rt.cfg.logging.wandb
     # A fresh run drops every line of an earlier run in the same directory; a resumed one keeps its steps.
     rt.metrics_logger = MetricsLogger(rt.run_dir, rt.cfg.redacted(), wandb_mode=w.mode, project=w.project,

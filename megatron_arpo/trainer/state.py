@@ -30,6 +30,7 @@ from megatron_arpo.tracking import MetricsLogger
 from megatron_arpo.trainer.replay import ReplaySource
 from megatron_arpo.trainer.signals import StepAborted
 
+# Ray is imported inside the methods that call it: tests build a Runtime without starting Ray.
 if TYPE_CHECKING:  # heavy: torch (actor group, scheduler), transformers, ray
     from ray.actor import ActorHandle
     from transformers import PreTrainedTokenizerBase
