@@ -41,9 +41,9 @@ from typing import Any, Mapping, Optional, Sequence
 from megatron_arpo.actor import packing
 from megatron_arpo.actor.sync_sender import TIED_HEAD_ALIASES
 from megatron_arpo.actor.worker import MegatronActorWorker
-from megatron_arpo.cluster.placement import refuse_split_groups
+from megatron_arpo.cluster.placement import ResourcePools, refuse_split_groups
 from megatron_arpo.cluster.worker_group import WorkerGroup, WorkerGroupError
-from megatron_arpo.config import resolved_model
+from megatron_arpo.config import ExperimentConfig, resolved_model
 from megatron_arpo.hf.mapping import bind_table
 from megatron_arpo.parallel_layout import ParallelLayout
 from megatron_arpo.weight_sync import protocol as ws
@@ -82,13 +82,13 @@ class ActorGroup:
 
     def __init__(
         self,
-        cfg: Any,
+        cfg: ExperimentConfig,
         *,
         role: str = "policy",
         hf_dir: Optional[str] = None,
         load_dir: Optional[str] = None,
         total_steps: Optional[int] = None,
-        pools: Any = None,
+        pools: Optional[ResourcePools] = None,
         strategy: str = "PACK",
         num_cpus_per_rank: Optional[float] = None,
         env: Optional[Mapping[str, str]] = None,
