@@ -1,10 +1,9 @@
-"""HF <-> Megatron checkpoint conversion for Qwen3 and QwQ-32B (qwen2): tables, streaming I/O, verify.
+"""The offline HF <-> Megatron converter, above the actor: ``python -m conversion`` and what it runs.
 
 Light on purpose: importing ``conversion`` imports nothing heavy (no torch, no Megatron). Modules:
-``mapping`` (tables, sharding), ``hf_io`` (lazy safetensors, shard writer), ``outdir`` (output path
-guards, ``--overwrite`` marker, stale temp cleanup, atomic dirs), ``config_json`` (config.json carried
-over), ``live`` (load HF weights into / export from a live Megatron model), ``dist_ckpt`` + ``dcp_write`` +
-``torch_record`` (HF -> Megatron distributed checkpoint from the tables, without importing Megatron),
-``dcp_read`` + ``megatron_to_hf`` (Megatron -> HF without importing Megatron), ``plan`` (meta-device dry run), ``verify`` and the ``python -m conversion`` CLI in
-``__main__``.
+``dist_ckpt`` + ``dcp_write`` + ``torch_pickle`` + ``torch_record`` (HF -> Megatron distributed
+checkpoint from the tables, without importing Megatron), ``dcp_read`` + ``megatron_to_hf`` (Megatron ->
+HF without importing Megatron), ``meta`` + ``plan`` (meta-device dry run), ``parity`` and ``verify``, and
+the CLI in ``__main__``. They stand on ``megatron_arpo.hf`` (tables, safetensors I/O, output
+directories) and ``megatron_arpo.ckpt_format`` (the ``torch_dist`` format the actor reads as well).
 """

@@ -15,8 +15,8 @@ rule of the table, in Megatron order, is written one of two ways:
   compressed storage): one layer's tensor is read, turned into HF tensors by the rule and written, then
   dropped. Peak memory is about one tensor, whatever the number of layers.
 
-Directories accepted (see :func:`resolve_checkpoint_dir`): ``DIR`` itself when it holds ``metadata.json``;
-else ``DIR/model``; else, for a training run directory with ``latest_checkpointed_iteration.txt``,
+Directories accepted (see :func:`megatron_arpo.ckpt_format.torch_dist.resolve_checkpoint_dir`): ``DIR``
+itself when it holds ``metadata.json``; else ``DIR/model``; else, for a training run directory with ``latest_checkpointed_iteration.txt``,
 ``DIR/iter_NNNNNNN`` (or its ``model`` subdir). The model config is ``--model-config`` or the first
 ``model_config.yaml`` found in the checkpoint dir or its parents up to ``DIR``. Keys must be Megatron's
 own sharded keys (no prefix), as ``GPTModel.sharded_state_dict()`` makes.
@@ -43,8 +43,12 @@ from typing import TYPE_CHECKING
 import yaml
 
 from megatron_arpo.hf import mapping
-from conversion.dcp_read import MEGATRON_METADATA, DistCheckpointReader, check_megatron_metadata
-from megatron_arpo.hf.checkpoint_io import ELEMENT_SIZES, TensorSpec, copy_tokenizer_files, dtype_name, write_json
+from conversion.dcp_read import DistCheckpointReader, check_megatron_metadata
+from megatron_arpo.ckpt_format.torch_dist import resolve_checkpoint_dir
+from megatron_arpo.hf.checkpoint_io import (ELEMENT_SIZES, SafetensorsShardWriter, TensorSpec, copy_tokenizer_files,
+                                            dtype_name, write_json)
+from megatron_arpo.hf.config_json import write_config_json
+from megatron_arpo.hf.outdir import atomic_output_dir, check_distinct_paths, check_output_dir, write_marker
 from megatron_arpo.model_config import ModelConfig, model_config_from_dict
 from megatron_arpo.progress import Progress
 
@@ -62,24 +66,6 @@ def dist_key(rule: mapping.BoundRule) -> str:
         return rule.megatron
     rest = rule.megatron[len(f"{_LAYER_PREFIX}{rule.layer}."):]
     return _LAYER_PREFIX + mapping.TE_ALIASES.get(rest, rest)
-
-
-def resolve_checkpoint_dir(path: str | os.PathLike) -> Path:
-    """The directory holding Megatron's ``metadata.json`` (see the module docstring for the search order)."""
-    root = Path(path)
-    candidates = [root, root / "model"]
-    latest = root / "latest_checkpointed_iteration.txt"
-    if latest.exists():
-        text = latest.read_text().strip()
-        if text.isdigit():
-            iter_dir = root / f"iter_{int(text):07d}"
-            candidates += [iter_dir, iter_dir / "model"]
-    for cand in candidates:
-        if (cand / MEGATRON_METADATA).exists():
-            return cand
-    raise FileNotFoundError(
-        f"no Megatron distributed checkpoint under {root}: looked for {MEGATRON_METADATA} in "
-        f"{[str(c) for c in candidates]}")
 
 
 def find_model_config(root: str | os.PathLike, ckpt: Path) -> ModelConfig:
@@ -175,10 +161,6 @@ def convert_megatron_to_hf(megatron_dir: str | os.PathLike, out: str | os.PathLi
                            model_cfg: ModelConfig | None = None, overwrite: bool = False,
                            byte_copy: bool = True, allow_nonfinite: bool = False) -> Path:
     """Write the HF checkpoint; its ``conversion.json`` is the report (see the module docstring)."""
-    from megatron_arpo.hf.config_json import write_config_json
-    from megatron_arpo.hf.checkpoint_io import SafetensorsShardWriter
-    from megatron_arpo.hf.outdir import atomic_output_dir, check_distinct_paths, check_output_dir, write_marker
-
     ckpt = resolve_checkpoint_dir(megatron_dir)
     check_distinct_paths(out, {"--megatron": ckpt, "--tokenizer": tokenizer})
     check_output_dir(out, overwrite)

@@ -28,15 +28,14 @@ import pickle
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_arpo.ckpt_format.dcp_pickles import STORAGE_CLASSES  # noqa: F401  (re-exported: the writer's table)
+
 DCP_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 DCP_FILESYSTEM_MODULE = "torch.distributed.checkpoint.filesystem"
 CURRENT_DCP_VERSION = "1.0.0"  # torch.distributed.checkpoint.filesystem.CURRENT_DCP_VERSION (a test checks it)
 # torch.save's pickle protocol (torch.serialization.DEFAULT_PROTOCOL); DCP pickles .metadata with pickle's default.
 TORCH_SAVE_PROTOCOL = 2
 METADATA_PROTOCOL = 4
-STORAGE_CLASSES = {"float32": "FloatStorage", "float16": "HalfStorage", "bfloat16": "BFloat16Storage",
-                   "float64": "DoubleStorage", "int64": "LongStorage", "int32": "IntStorage", "int16": "ShortStorage",
-                   "int8": "CharStorage", "uint8": "ByteStorage", "bool": "BoolStorage"}
 
 
 @dataclass(frozen=True)

@@ -59,7 +59,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from megatron_arpo.model_config import ModelConfig, layout_errors, load_model_config
+from megatron_arpo.model_config import ModelConfig, load_model_config
+from megatron_arpo.parallel_layout import derive_data_parallel, engine_tp_errors, model_layout_errors
 from megatron_arpo.rollout.config import RolloutSection
 from megatron_arpo.weight_sync.protocol import pack_in_order
 
@@ -114,7 +115,7 @@ def check_parallelism(cfg: ModelConfig, tp: int, pp: int, sequence_parallel: boo
     """Raise naming the key Megatron would reject and the values it takes (heads/groups/ffn, layers, SP)."""
     if tp < 1 or pp < 1:
         raise ValueError(f"actor.tensor_parallel {tp} and actor.pipeline_parallel {pp} must be >= 1")
-    errors = layout_errors(cfg, tp, pp, sequence_parallel)
+    errors = model_layout_errors(cfg, tp, pp, sequence_parallel)
     if errors:
         raise ValueError("; ".join(errors))
 
@@ -402,12 +403,11 @@ def make_plan(p: PlanInput, suggest: bool = True) -> Plan:
     if p.recompute not in ("none", "selective", "full"):
         raise ValueError(f"actor.recompute {p.recompute!r}; allowed: ['full', 'none', 'selective']")
     check_parallelism(p.model, p.tp, p.pp, p.sequence_parallel)
-    if p.model.num_attention_heads % p.engine_tp:
-        raise ValueError(f"rollout.tensor_parallel: {p.engine_tp} does not divide {p.model.name} num_attention_heads "
-                         f"{p.model.num_attention_heads}; valid values: "
-                         f"{[t for t in (1, 2, 4, 8, 16) if p.model.num_attention_heads % t == 0]}")
+    engine_errors = engine_tp_errors(p.model, p.engine_tp)
+    if engine_errors:
+        raise ValueError("; ".join(engine_errors))
     world = p.nodes * p.gpus_per_node
-    dp = p.dp or max(1, world // (p.tp * p.pp))
+    dp = derive_data_parallel(p.tp, p.pp, world, p.dp)
     if p.dp is None and world % (p.tp * p.pp):
         raise ValueError(f"{world} GPUs ({p.nodes} nodes x {p.gpus_per_node}) are not a multiple of "
                          f"TP*PP = {p.tp * p.pp}; change launcher.nodes/gpus_per_node or actor TP/PP")
@@ -444,7 +444,7 @@ def suggest_layouts(p: PlanInput, limit: int = 5) -> list[dict]:
     budget = budget_gib(p)
     engines = []
     for etp in tps:
-        if p.model.num_attention_heads % etp:
+        if engine_tp_errors(p.model, etp):  # the config would refuse it
             continue
         q = dataclasses.replace(p, engine_tp=etp)
         need = rollout_memory(q)["total"]
@@ -463,7 +463,7 @@ def suggest_layouts(p: PlanInput, limit: int = 5) -> list[dict]:
                     continue
                 q = dataclasses.replace(p, tp=tp, pp=pp, dp=None, recompute=recompute,
                                         sequence_parallel=p.sequence_parallel and tp > 1)
-                _, worst = actor_memory(q, world // (tp * pp))
+                _, worst = actor_memory(q, derive_data_parallel(tp, pp, world))
                 gib = worst["total"] / GiB
                 # colocated: the engine's reservation must fit beside the actor's peak
                 buffer = ipc_buffer_gib(q)
@@ -484,7 +484,7 @@ def suggest_layouts(p: PlanInput, limit: int = 5) -> list[dict]:
 
 def _sync_fits(q: PlanInput, engine_tp: int, need_gib: float, worst: dict) -> bool:
     q = dataclasses.replace(q, engine_tp=engine_tp, gpu_memory_utilization=_utilization(q, need_gib))
-    dp = q.nodes * q.gpus_per_node // (q.tp * q.pp)
+    dp = derive_data_parallel(q.tp, q.pp, q.nodes * q.gpus_per_node)
     return sync_memory(q, dp, worst, rollout_memory(q))["total"] <= sync_limit_gib(q)
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import functools
 import logging
 import math
 import os
@@ -40,10 +41,10 @@ from typing import Any, Literal, Mapping, Optional, Sequence, Union, get_args, g
 
 import yaml
 
-from megatron_arpo.cluster.placement import actor_world_size, total_devices  # noqa: F401  (re-exported)
 from megatron_arpo.determinism import deterministic_problems
-from megatron_arpo.errors import InputError
-from megatron_arpo.model_config import ModelConfig, layout_errors, load_model_config
+from megatron_arpo.errors import ConfigError
+from megatron_arpo.model_config import ModelConfig, load_model_config
+from megatron_arpo.parallel_layout import ParallelLayout, layout_errors
 from megatron_arpo.redaction import REDACTED, is_secret_key, redact  # noqa: F401  (re-exported)
 from megatron_arpo.config_schema import (  # noqa: F401  (re-exported: the public config API)
     _f,
@@ -71,16 +72,6 @@ from megatron_arpo.config_schema import (  # noqa: F401  (re-exported: the publi
 )
 
 logger = logging.getLogger(__name__)
-
-
-class ConfigError(InputError):
-    """An invalid experiment config; ``errors`` lists each problem as ``key.path: message``."""
-
-    def __init__(self, errors: Sequence[str] | str, source: str | None = None):
-        self.errors = [errors] if isinstance(errors, str) else list(errors)
-        self.source = source
-        prefix = f"{source}: " if source else ""
-        super().__init__(prefix + "; ".join(self.errors))
 
 
 # --------------------------------------------------------------------------------------- experiment
@@ -125,6 +116,14 @@ class ExperimentConfig:
     @property
     def run_dir(self) -> Path:
         return Path(self.trainer.run_dir or f"runs/{self.name}")
+
+    @functools.cached_property
+    def layout(self) -> ParallelLayout:
+        """The parallel layout (`megatron_arpo.parallel_layout`), checked and computed once per config."""
+        errors = layout_errors(self, resolved_model(self))
+        if errors:  # a config changed after it was built (dataclasses.replace) is checked here
+            raise ConfigError(errors)
+        return ParallelLayout.from_config(self)
 
     @property
     def max_sequence_tokens(self) -> int:
@@ -508,43 +507,15 @@ def validate(cfg: ExperimentConfig) -> list[str]:
     errors: list[str] = []
     model = resolved_model(cfg)
     a, r, alg, d, t = cfg.actor, cfg.rollout, cfg.algorithm, cfg.data, cfg.trainer
-    tp, pp = a.tensor_parallel, a.pipeline_parallel
 
-    # Actor parallelism against the architecture and the devices.
-    errors += layout_errors(model, tp, pp, a.sequence_parallel)
-    for what in ("num_attention_heads", "num_key_value_heads"):
-        if getattr(model, what) % r.tensor_parallel:
-            valid = [t for t in range(1, model.num_attention_heads + 1)
-                     if model.num_attention_heads % t == 0 and model.num_key_value_heads % t == 0]
-            errors.append(f"rollout.tensor_parallel: {r.tensor_parallel} does not divide {model.name} {what} "
-                          f"{getattr(model, what)}; valid values: {valid}")
-            break
-    devices = total_devices(cfg)
-    if t.placement == "separate":
-        for key in ("actor_devices", "rollout_devices"):
-            if getattr(t, key) is None:
-                errors.append(f"trainer.{key}: required when trainer.placement is 'separate'")
-        if t.actor_devices and t.rollout_devices and devices and t.actor_devices + t.rollout_devices > devices:
-            errors.append(f"trainer.actor_devices + trainer.rollout_devices = {t.actor_devices + t.rollout_devices} "
-                          f"exceeds the {devices} devices of launcher.nodes x launcher.gpus_per_node")
-    actor_pool = t.actor_devices if t.placement == "separate" else devices
-    if actor_pool is not None:
-        if actor_pool % (tp * pp):
-            errors.append(f"actor.tensor_parallel x actor.pipeline_parallel = {tp * pp} does not divide the "
-                          f"{actor_pool} actor devices; choose tp*pp among the divisors of {actor_pool}")
-        elif a.data_parallel is not None and tp * pp * a.data_parallel != actor_pool:
-            errors.append(f"actor.data_parallel: {a.data_parallel} gives a world of {tp * pp * a.data_parallel} "
-                          f"but there are {actor_pool} actor devices; set it to {actor_pool // (tp * pp)} or null")
+    # Actor and engine parallelism against the architecture and the devices.
+    errors += layout_errors(cfg, model)
     if t.placement == "separate":
         for key, on in (("rollout.enable_sleep_mode", r.enable_sleep_mode), ("actor.offload", a.offload)):
             if on:
                 errors.append(f"{key}: true frees GPU memory for the other side of a colocated GPU, but "
                               f"trainer.placement is 'separate' (actor and engines own their GPUs); set {key}: "
                               f"false, or trainer.placement: colocated")
-    rollout_pool = t.rollout_devices if t.placement == "separate" else devices
-    if rollout_pool is not None and r.num_engines * r.tensor_parallel > rollout_pool:
-        errors.append(f"rollout.num_engines x rollout.tensor_parallel = {r.num_engines * r.tensor_parallel} "
-                      f"exceeds the {rollout_pool} rollout devices")
 
     # Sequence budgets.
     seq = cfg.max_sequence_tokens

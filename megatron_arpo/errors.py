@@ -11,10 +11,21 @@ one line, with no traceback, and exits 2. ``ConfigError``, ``DatasetError``, ``S
 """
 
 import errno
+from typing import Sequence
 
 
 class InputError(ValueError):
     """Bad user input; the message says what is wrong, where, and how to fix it."""
+
+
+class ConfigError(InputError):
+    """An invalid experiment config; ``errors`` lists each problem as ``key.path: message``."""
+
+    def __init__(self, errors: Sequence[str] | str, source: str | None = None):
+        self.errors = [errors] if isinstance(errors, str) else list(errors)
+        self.source = source
+        prefix = f"{source}: " if source else ""
+        super().__init__(prefix + "; ".join(self.errors))
 
 
 class SymlinkLoopError(InputError):

@@ -24,8 +24,8 @@ from megatron_arpo.models.config import ModelConfig, ParallelDefaults, RopeScali
 from megatron_arpo.models.registry import get_family
 
 __all__ = ["ARCH_FIELDS", "MODEL_CONFIG_DIR", "ModelConfig", "ParallelDefaults", "RopeScaling", "check_hf_config",
-           "hf_config_dict", "layout_errors", "load_model_config", "model_config_from_dict", "model_config_from_hf",
-           "read_hf_config", "resolve_model_config_path", "tensor_parallel_choices"]
+           "hf_config_dict", "load_model_config", "model_config_from_dict", "model_config_from_hf",
+           "read_hf_config", "resolve_model_config_path"]
 
 
 
@@ -253,36 +253,3 @@ def read_hf_config(hf_dir: str | os.PathLike) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a JSON object of config fields, got {type(data).__name__}")
     return data
-
-
-# ------------------------------------------------------------------------------------------ layouts
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def tensor_parallel_choices(cfg: ModelConfig) -> list[int]:
-    """TP sizes this model can take: divisors of the attention heads, KV heads and FFN width alike."""
-    return [t for t in _divisors(cfg.num_key_value_heads)
-            if cfg.num_attention_heads % t == 0 and cfg.intermediate_size % t == 0]
-
-
-def layout_errors(cfg: ModelConfig, tensor_parallel: int, pipeline_parallel: int, sequence_parallel: bool = False,
-                  section: str = "actor") -> list[str]:
-    """Problems of a TP/PP/SP layout for this model, each naming the key and the values that work."""
-    errors = []
-    tp_ok = tensor_parallel_choices(cfg)
-    for what in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
-        value = getattr(cfg, what)
-        if value % tensor_parallel:
-            errors.append(f"{section}.tensor_parallel: {tensor_parallel} does not divide {cfg.name} {what} {value}; "
-                          f"valid values: {tp_ok}")
-            break
-    if pipeline_parallel is not None and cfg.num_hidden_layers % pipeline_parallel:
-        errors.append(f"{section}.pipeline_parallel: {pipeline_parallel} does not divide {cfg.name} num_hidden_layers "
-                      f"{cfg.num_hidden_layers}; valid values: {_divisors(cfg.num_hidden_layers)}")
-    if sequence_parallel and tensor_parallel == 1:
-        errors.append(f"{section}.sequence_parallel: true needs {section}.tensor_parallel > 1 (it splits the sequence "
-                      f"over the TP ranks); set {section}.sequence_parallel: false, or {section}.tensor_parallel to "
-                      f"one of {[t for t in tp_ok if t > 1]}")
-    return errors
-

@@ -58,9 +58,7 @@ def _cpus_per_rank(cfg) -> float | None:
         return None
     import ray
 
-    from megatron_arpo.config import actor_world_size
-
-    return float(max(1, int(ray.cluster_resources().get("CPU", 1) // actor_world_size(cfg))))
+    return float(max(1, int(ray.cluster_resources().get("CPU", 1) // cfg.layout.world_size)))
 
 
 def run_sft(cfg, resume: str = "auto") -> dict[str, Any]:

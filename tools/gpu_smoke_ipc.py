@@ -24,7 +24,7 @@ import torch
 import torch.multiprocessing as mp
 
 from megatron_arpo.weight_sync.protocol import EngineRef, call_engines, tensor_checksum
-from megatron_arpo.weight_sync.senders import IpcSender
+from megatron_arpo.weight_sync.senders.ipc import IpcSender
 
 HOST_KEY = "host"  # the handle key of the dry run's host shared memory (a GPU's is its UUID)
 DEVICE_USED_TOLERANCE = 2 * 2**20  # device memory after the last sync vs after the first (driver-level)

@@ -43,11 +43,12 @@ import torch.distributed as dist
 
 import yaml
 
-from conversion.dcp_pickles import ForeignPickleError
-from conversion.dcp_read import read_dcp_metadata
+from megatron_arpo.ckpt_format.dcp_pickles import ForeignPickleError
+from megatron_arpo.ckpt_format.torch_dist import read_dcp_metadata, resolve_checkpoint_dir
 from megatron_arpo.actor.checkpoint_pickles import (common_load_strategy, install_restricted_unpickling, load_rng_file,
                                                     refusals_named)
 from megatron_arpo.fsutil import fsync_path
+from megatron_arpo.hf.checkpoint_io import copy_tokenizer_files
 
 logger = logging.getLogger(__name__)
 
@@ -208,8 +209,6 @@ def publish_checkpoint(root: str | os.PathLike, step: int, state: dict, *, model
     _write_file(tmp / "state.json", json.dumps(state, indent=2, sort_keys=True) + "\n")
     _write_file(tmp / "model_config.yaml", yaml.safe_dump(model_cfg.to_dict(), sort_keys=False))
     if tokenizer_dir is not None:
-        from megatron_arpo.hf.checkpoint_io import copy_tokenizer_files
-
         extra = tmp / "model" / "hf_extra"
         extra.mkdir(exist_ok=True)
         copy_tokenizer_files(tokenizer_dir, extra)
@@ -254,8 +253,6 @@ def resolve_load_dir(path: str | os.PathLike) -> tuple[Path, Path]:
     ckpt = latest_checkpoint(path)
     if ckpt is not None:
         return ckpt, ckpt / "model"
-    from conversion.dist_ckpt import resolve_checkpoint_dir
-
     try:
         model_dir = resolve_checkpoint_dir(path)
     except FileNotFoundError as exc:

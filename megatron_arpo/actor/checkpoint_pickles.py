@@ -5,7 +5,8 @@ Megatron's ``dist_checkpointing.load`` reads four kinds of pickle, three of them
 
 - ``.metadata``: DCP's ``FileSystemReader.read_metadata`` calls ``pickle.load``. The ``pickle`` that
   ``torch.distributed.checkpoint.filesystem`` uses is replaced by
-  :data:`conversion.dcp_pickles.RESTRICTED_PICKLE`, whose ``load`` imports only DCP's metadata classes;
+  :data:`megatron_arpo.ckpt_format.dcp_pickles.RESTRICTED_PICKLE`, whose ``load`` imports only DCP's metadata
+  classes;
 - byte items inside ``.distcp`` files (``ShardedObject`` s): DCP's ``DefaultLoadPlanner.load_bytes``
   calls ``torch.load(weights_only=False)``; each item is first loaded with ``weights_only=True`` and
   refused if that fails;
@@ -33,8 +34,8 @@ import torch.distributed.checkpoint.filesystem as dcp_filesystem
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from conversion import dcp_pickles
-from conversion.dcp_read import CorruptRecordError, _FileView, check_record
+from megatron_arpo.ckpt_format import dcp_pickles
+from megatron_arpo.ckpt_format.torch_dist import CorruptRecordError, _FileView, check_record
 
 
 class UnsafeCheckpointError(ValueError):
@@ -63,7 +64,8 @@ def _checked_load_bytes(self, read_item, value: io.BytesIO) -> None:
 
 class _CheckedTorch:
     """Stands in for ``torch`` inside DCP's ``filesystem`` module: its ``torch.load`` of a chunk first checks
-    the CRC-32 of every entry of the record (:func:`conversion.dcp_read.check_record`; torch checks none)."""
+    the CRC-32 of every entry of the record (:func:`megatron_arpo.ckpt_format.torch_dist.check_record`; torch
+    checks none)."""
 
     def __getattr__(self, name):
         return getattr(torch, name)

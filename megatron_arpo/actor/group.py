@@ -1,8 +1,9 @@
 """The driver's view of the Megatron actor: one object over TP x PP x DP Ray actors, one per rank.
 
 ``ActorGroup(cfg)`` starts a ``megatron_arpo.cluster.worker_group.WorkerGroup`` of
-``megatron_arpo.actor.worker.MegatronActorWorker`` (world = ``actor_world_size(cfg)``), in its own
-placement group or in the actor pool of ``megatron_arpo.cluster.placement.ResourcePools``, then
+``megatron_arpo.actor.worker.MegatronActorWorker`` (TP x PP x DP from ``cfg.layout``, the run's
+``megatron_arpo.parallel_layout.ParallelLayout``), in its own placement group or in the actor pool of
+``megatron_arpo.cluster.placement.ResourcePools``, then
 ``init_model`` on every rank. After start it asks each rank for its Megatron coordinates
 (``dp_rank``, ``tp_rank``, ``pp_rank``, ``is_last_stage``) rather than assuming Megatron's rank order.
 
@@ -38,8 +39,15 @@ import time
 from typing import Any, Mapping, Optional, Sequence
 
 from megatron_arpo.actor import packing
-from megatron_arpo.cluster.placement import refuse_split_groups
-from megatron_arpo.cluster.worker_group import WorkerGroup
+from megatron_arpo.actor.sync_sender import TIED_HEAD_ALIASES
+from megatron_arpo.actor.worker import MegatronActorWorker
+from megatron_arpo.cluster.placement import ResourcePools, refuse_split_groups
+from megatron_arpo.cluster.worker_group import WorkerGroup, WorkerGroupError
+from megatron_arpo.config import ExperimentConfig, resolved_model
+from megatron_arpo.hf.mapping import bind_table
+from megatron_arpo.parallel_layout import ParallelLayout
+from megatron_arpo.weight_sync import protocol as ws
+from megatron_arpo.weight_sync.protocol import WeightSyncError
 
 logger = logging.getLogger(__name__)
 
@@ -74,13 +82,13 @@ class ActorGroup:
 
     def __init__(
         self,
-        cfg: Any,
+        cfg: ExperimentConfig,
         *,
         role: str = "policy",
         hf_dir: Optional[str] = None,
         load_dir: Optional[str] = None,
         total_steps: Optional[int] = None,
-        pools: Any = None,
+        pools: Optional[ResourcePools] = None,
         strategy: str = "PACK",
         num_cpus_per_rank: Optional[float] = None,
         env: Optional[Mapping[str, str]] = None,
@@ -88,26 +96,19 @@ class ActorGroup:
         worker_kwargs: Optional[Mapping[str, Any]] = None,
         name: Optional[str] = None,
         optim_settings: Any = None,
+        transport: Optional[str] = None,
+        parallel: Optional[ParallelLayout] = None,
     ):
-        from megatron_arpo.config import actor_world_size
-
         self.cfg, self.role = cfg, role
-        a = cfg.actor
-        self.tp, self.pp = a.tensor_parallel, a.pipeline_parallel
-        if self.tp is None or self.pp is None:
-            raise ValueError("actor.tensor_parallel/pipeline_parallel are unresolved; build the config with "
-                             "megatron_arpo.config.load_config/build_config")
-        self.world_size = actor_world_size(cfg)
-        if self.world_size % (self.tp * self.pp):
-            raise ValueError(f"actor world size {self.world_size} is not a multiple of actor.tensor_parallel x "
-                             f"actor.pipeline_parallel = {self.tp * self.pp}")
-        self.dp = self.world_size // (self.tp * self.pp)
+        self.parallel = cfg.layout if parallel is None else parallel
+        self.tp, self.pp, self.dp = self.parallel.tp, self.parallel.pp, self.parallel.dp
+        self.world_size = self.parallel.world_size
         self.timeouts = cfg.trainer.timeouts
+        self.transport = transport  # the weight-sync transport (`megatron_arpo.weight_sync.protocol.choose_transport`)
         self._sync = None
         self._syncs_done = 0   # finished weight syncs of this process (rollout.verify_sync: first)
-        if worker_cls is None:
-            from megatron_arpo.actor.worker import MegatronActorWorker as worker_cls
-        on_gpu = cfg.launcher.gpus_per_node > 0
+        worker_cls = MegatronActorWorker if worker_cls is None else worker_cls
+        on_gpu = self.parallel.gpus_per_node > 0
         if pools is not None:
             placement_kwargs = pools.actor_group_kwargs()
             if len(placement_kwargs["bundle_indices"]) != self.world_size:
@@ -228,8 +229,6 @@ class ActorGroup:
         both sides. Raises `WeightSyncError` (one line naming the engine) when an engine dies or fails, or a check
         fails; the engines then hold a partial update and refuse to generate until a sync completes.
         """
-        from megatron_arpo.weight_sync import protocol as ws
-
         r = self.cfg.rollout
         timeout = self.timeouts.sync_s if timeout is None else timeout
         refs = ws.engine_refs(engines)
@@ -263,12 +262,11 @@ class ActorGroup:
 
     def _open_sync(self, refs: list, timeout: float) -> None:
         """Form the transfer group: the stage senders' endpoints, the engines' rank offsets, both sides joining."""
-        from megatron_arpo.weight_sync import protocol as ws
-
         self.close_sync()
-        transport = ws.choose_transport(self.cfg.rollout.sync_transport, self.cfg.launcher.gpus_per_node > 0,
-                                        self.cfg.trainer.placement)
         infos = ws.call_engines(refs, "weight_transfer_info", timeout=timeout)
+        # The transport was chosen once, when the run started (the engines were built with it too); a group
+        # given none sends over the transport the engines were started for.
+        transport = self.transport or infos[0].get("transport")
         for ref, info in zip(refs, infos):
             if info.get("transport") != transport:
                 raise ws.WeightSyncError(f"weight sync: engine {ref.index} was started for the "
@@ -294,9 +292,6 @@ class ActorGroup:
     @staticmethod
     def _sender_result(pending: Any) -> list:
         """A sender's WeightSyncError (e.g. an engine died mid-sync) surfaces as itself, in one line."""
-        from megatron_arpo.cluster.worker_group import WorkerGroupError
-        from megatron_arpo.weight_sync.protocol import WeightSyncError
-
         try:
             return pending.result()
         except WorkerGroupError as exc:
@@ -307,11 +302,6 @@ class ActorGroup:
 
     def _check_complete(self, report: dict, engine_reports: Sequence[dict]) -> None:
         """Every HF tensor of the model was sent once, and every engine loaded all of them."""
-        from megatron_arpo.hf.mapping import bind_table
-        from megatron_arpo.actor.sync_sender import TIED_HEAD_ALIASES
-        from megatron_arpo.config import resolved_model
-        from megatron_arpo.weight_sync.protocol import WeightSyncError
-
         model_cfg = resolved_model(self.cfg)
         expected = sum(len(rule.hf_outputs) for rule in bind_table(model_cfg))
         expected += len(TIED_HEAD_ALIASES) if model_cfg.tie_word_embeddings else 0

@@ -73,7 +73,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from megatron_arpo.model_config import ModelConfig, layout_errors
+from megatron_arpo.model_config import ModelConfig
+from megatron_arpo.parallel_layout import model_layout_errors
 from megatron_arpo.models.registry import get_family
 
 logger = logging.getLogger(__name__)
@@ -197,7 +198,7 @@ def build_transformer_config(
 def check_layout(model_cfg: ModelConfig, tensor_parallel: int, pipeline_parallel: int,
                  sequence_parallel: bool = False) -> None:
     """Refuse a layout this model cannot take, naming the key and the values it can."""
-    errors = layout_errors(model_cfg, tensor_parallel, pipeline_parallel, sequence_parallel)
+    errors = model_layout_errors(model_cfg, tensor_parallel, pipeline_parallel, sequence_parallel)
     if errors:
         raise ValueError("; ".join(errors))
 

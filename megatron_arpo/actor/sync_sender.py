@@ -7,7 +7,7 @@
    replica 0, tensor-parallel rank 0 — reserves an endpoint on its node and returns it; the driver hands
    the endpoints to the engines.
 2. ``open(engines, world_size)`` (once, while the engines join): the stage senders join their group as
-   rank 0 (`megatron_arpo.weight_sync.senders`).
+   rank 0 (`megatron_arpo.weight_sync.senders`, one module per transport).
 3. ``send(sync_id, ...)`` (every sync). ``gloo``/``nccl``: stage after stage (the engines take one sender
    at a time; two stages sending to the same engines at once could deadlock their broadcasts), the stage's
    TP ranks gather each bucket's shards on the sender (``megatron_arpo.actor.hf_live.stage_hf_buckets``: mapped through
@@ -37,8 +37,14 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_arpo.actor.hf_live import export_hf_buckets, max_bucket_bytes, stage_hf_buckets
+from megatron_arpo.actor.training import collective_device
 from megatron_arpo.weight_sync.protocol import BufferPool
+from megatron_arpo.weight_sync.senders import make_sender
+from megatron_arpo.weight_sync.senders.base import reserve_endpoint
 
+# megatron.core is imported inside the methods that use it: the driver imports this module (ActorGroup reads
+# TIED_HEAD_ALIASES) and must not load Megatron.
 logger = logging.getLogger(__name__)
 
 # Bucket buffers per stage sender: bucket k travels from one while k+1 is packed into the other.
@@ -69,8 +75,6 @@ class ActorSync:
 
     def reserve(self, transport: str) -> Optional[tuple[int, tuple[str, int]]]:
         """``(pipeline stage, (host, port))`` on the stage senders of gloo/nccl; None elsewhere."""
-        from megatron_arpo.weight_sync.senders import reserve_endpoint
-
         self.close()
         self.transport = transport
         if transport == "ipc" or not self.is_stage_sender:
@@ -79,8 +83,6 @@ class ActorSync:
         return self.worker.pp_rank, self._endpoint[0]
 
     def open(self, engines: Sequence[Any], world_size: int, timeout_s: float) -> None:
-        from megatron_arpo.weight_sync.senders import make_sender
-
         if self.transport is None:
             raise RuntimeError("ActorSync.reserve(transport) must run before open()")
         if self.transport == "ipc":
@@ -127,8 +129,6 @@ class ActorSync:
         """
         from megatron.core import parallel_state
 
-        from megatron_arpo.actor.hf_live import stage_hf_buckets
-
         w = self.worker
         failure: Optional[BaseException] = None
         pool = None
@@ -165,8 +165,6 @@ class ActorSync:
         return failure, report
 
     def _send_ipc(self, sync_id: int, bucket_bytes: int, verify_fraction: float) -> dict:
-        from megatron_arpo.actor.hf_live import export_hf_buckets, max_bucket_bytes
-
         w = self.worker
         size = max_bucket_bytes(w.model_cfg, w.pp, w.params_dtype, bucket_bytes, self.aliases)
         if self.ipc_buffer is None or self.ipc_buffer.numel() < size:
@@ -201,8 +199,6 @@ class ActorSync:
 
 def _any_rank(flag: bool, group: Any) -> bool:
     """True on every rank of ``group`` when ``flag`` is true on any of them (one small all-reduce)."""
-    from megatron_arpo.actor.training import collective_device
-
     if dist.get_world_size(group=group) == 1:
         return flag
     vote = torch.tensor([1 if flag else 0], dtype=torch.int32, device=collective_device())

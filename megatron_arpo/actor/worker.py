@@ -85,15 +85,8 @@ class MegatronActorWorker:
 
             model_cfg = resolved_model(cfg)
         self.model_cfg = model_cfg
-        self.tp = self.actor.tensor_parallel or model_cfg.defaults.actor_tensor_parallel
-        self.pp = self.actor.pipeline_parallel or model_cfg.defaults.actor_pipeline_parallel
-        if world_size % (self.tp * self.pp):
-            raise ValueError(f"world size {world_size} is not a multiple of actor.tensor_parallel x "
-                             f"actor.pipeline_parallel = {self.tp * self.pp}")
-        self.dp = world_size // (self.tp * self.pp)
-        if self.actor.data_parallel is not None and self.actor.data_parallel != self.dp:
-            raise ValueError(f"actor.data_parallel is {self.actor.data_parallel} but the world of {world_size} ranks "
-                             f"gives {self.dp} with tp={self.tp}, pp={self.pp}; set it to {self.dp} or null")
+        self.parallel = cfg.layout.for_world(world_size, self.actor.data_parallel)
+        self.tp, self.pp, self.dp = self.parallel.tp, self.parallel.pp, self.parallel.dp
         self.packing_mode, self.row_tokens = packing_mode, row_tokens
         self._owns_process_group = False
         if not dist.is_initialized():

@@ -21,9 +21,9 @@ Every TP group of the actor and every engine then sits on one node whenever each
 of the TP size. A group that still spans nodes is refused on GPU nodes (its collectives would cross the
 network) and logged on CPU-only nodes, where tests spread gloo TP groups over raylets on purpose.
 
-``plan_placement(cfg)`` is a pure function of the config (unit-tested); ``ResourcePools.create(plan)``
-makes the Ray placement groups, binds the slots, and hands out the ``WorkerGroup`` and engine-actor
-arguments. The placement strategy (PACK fills nodes one by one, SPREAD spreads) is a parameter: the
+``plan_placement(cfg)`` is a pure function of the config and its parallel layout (unit-tested);
+``ResourcePools.create(plan)`` makes the Ray placement groups, binds the slots, and hands out the
+``WorkerGroup`` and engine-actor arguments. The placement strategy (PACK fills nodes one by one, SPREAD spreads) is a parameter: the
 config has no key for it yet.
 """
 
@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
 from megatron_arpo.errors import InputError
+from megatron_arpo.parallel_layout import ParallelLayout
 
 logger = logging.getLogger(__name__)
 
@@ -83,88 +84,54 @@ class PlacementPlan:
                 f"{[list(b) for b in self.engine_bundles]}")
 
 
-def total_devices(cfg: Any) -> int | None:
-    """GPUs in the job, or None on CPU-only nodes (where actor ranks and engines are processes)."""
-    if cfg.launcher.gpus_per_node == 0:
-        return None
-    return cfg.launcher.nodes * cfg.launcher.gpus_per_node
-
-
-def actor_world_size(cfg: Any) -> int | None:
-    """TP x PP x DP of the actor group, or None when DP is derived from an unknown device count."""
-    a = cfg.actor
-    if a.data_parallel is not None:
-        return a.tensor_parallel * a.pipeline_parallel * a.data_parallel
-    pool = cfg.trainer.actor_devices or total_devices(cfg)
-    if pool is None:
-        return a.tensor_parallel * a.pipeline_parallel  # CPU default: DP = 1
-    return pool
-
-
 def _bundle(on_gpu: bool, cpus: float) -> dict[str, float]:
     return {"GPU": 1.0, "CPU": float(cpus)} if on_gpu else {"CPU": float(cpus)}
 
 
-def plan_placement(cfg: Any, *, strategy: str = "PACK", cpus_per_bundle: Optional[float] = None,
-                   colocate_share: float = 0.5) -> PlacementPlan:
-    """The bundle plan for ``cfg`` (an ExperimentConfig with resolved TP/PP). Raises ValueError naming the
-    config keys when the pools cannot hold the actor ranks or the engines."""
+def plan_placement(cfg: Any, *, layout: Optional[ParallelLayout] = None, strategy: str = "PACK",
+                   cpus_per_bundle: Optional[float] = None, colocate_share: float = 0.5) -> PlacementPlan:
+    """The bundle plan for ``cfg`` (an ExperimentConfig) and its ``layout`` (default ``cfg.layout``, which
+    checked that the devices hold the actor ranks and the engines). Raises naming the config keys when a TP
+    group or an engine would span nodes."""
     if strategy not in STRATEGIES:
         raise ValueError(f"placement strategy {strategy!r} is not one of {STRATEGIES}")
     if not 0 < colocate_share <= 1:
         raise ValueError(f"colocate_share must be in (0, 1], got {colocate_share}")
-    t, la, r = cfg.trainer, cfg.launcher, cfg.rollout
-    if t.placement not in PLACEMENTS:
-        raise ValueError(f"trainer.placement: {t.placement!r}; allowed: {list(PLACEMENTS)}")
-    on_gpu = la.gpus_per_node > 0
+    layout = cfg.layout if layout is None else layout  # validated: the pools below hold what it asks for
+    gpus_per_node = layout.gpus_per_node
+    on_gpu = gpus_per_node > 0
+    if layout.placement not in PLACEMENTS:
+        raise ValueError(f"trainer.placement: {layout.placement!r}; allowed: {list(PLACEMENTS)}")
     if cpus_per_bundle is None:
         # On GPU nodes the node's CPUs are split over its GPUs; otherwise one CPU per process slot.
-        cpus_per_bundle = max(1, (la.cpus_per_task or la.gpus_per_node) // la.gpus_per_node) if on_gpu else 1
+        cpus_per_task = cfg.launcher.cpus_per_task
+        cpus_per_bundle = max(1, (cpus_per_task or gpus_per_node) // gpus_per_node) if on_gpu else 1
     if cpus_per_bundle <= 0:
         raise ValueError(f"cpus_per_bundle must be > 0, got {cpus_per_bundle}")
-    world = actor_world_size(cfg)
-    slots_per_engine = r.tensor_parallel
-    engine_slots = r.num_engines * slots_per_engine
-    devices = la.nodes * la.gpus_per_node if on_gpu else None
-    if on_gpu and la.gpus_per_node % slots_per_engine:
+    world, slots_per_engine, engine_slots = layout.world_size, layout.engine_tp, layout.engine_slots
+    if on_gpu and gpus_per_node % slots_per_engine:
         # vLLM's ray executor puts an engine's workers on its own bundles; bundles are packed node by node,
         # so an engine whose TP does not divide a node's GPUs would straddle two nodes.
         raise ValueError(f"rollout.tensor_parallel = {slots_per_engine} GPUs per engine do not divide the "
-                         f"{la.gpus_per_node} GPUs of a node (launcher.gpus_per_node): an engine would span two "
-                         f"nodes; use a divisor of {la.gpus_per_node}")
-    actor_tp = cfg.actor.tensor_parallel
-    if on_gpu and la.gpus_per_node % actor_tp:
-        raise PlacementError(f"actor.tensor_parallel = {actor_tp} does not divide the {la.gpus_per_node} GPUs of a node "
+                         f"{gpus_per_node} GPUs of a node (launcher.gpus_per_node): an engine would span two "
+                         f"nodes; use a divisor of {gpus_per_node}")
+    actor_tp = layout.tp
+    if on_gpu and gpus_per_node % actor_tp:
+        raise PlacementError(f"actor.tensor_parallel = {actor_tp} does not divide the {gpus_per_node} GPUs of a node "
                              f"(launcher.gpus_per_node): a TP group would span nodes and run its collectives over "
-                             f"the network; use a divisor of {la.gpus_per_node}, or nodes with a multiple of "
+                             f"the network; use a divisor of {gpus_per_node}, or nodes with a multiple of "
                              f"{actor_tp} GPUs")
 
-    if t.placement == "colocated":
-        size = devices if on_gpu else max(world, engine_slots)
-        if world > size:
-            raise ValueError(f"actor world size {world} (tensor x pipeline x data parallel) exceeds the {size} "
-                             f"devices of launcher.nodes x launcher.gpus_per_node")
-        if engine_slots > size:
-            raise ValueError(f"rollout.num_engines x rollout.tensor_parallel = {engine_slots} exceeds the {size} "
-                             f"colocated devices")
+    if layout.placement == "colocated":
+        size = layout.total_devices if on_gpu else max(world, engine_slots)
         pool = PoolPlan("shared", tuple(_bundle(on_gpu, cpus_per_bundle) for _ in range(size)), strategy)
         pools = {"shared": pool}
         actor_pool = rollout_pool = "shared"
         share = colocate_share
     else:
-        actor_size = t.actor_devices if t.actor_devices is not None else (None if on_gpu else world)
-        rollout_size = t.rollout_devices if t.rollout_devices is not None else (None if on_gpu else engine_slots)
-        if actor_size is None or rollout_size is None:
-            raise ValueError("trainer.actor_devices and trainer.rollout_devices are required when "
-                             "trainer.placement is 'separate' on GPU nodes")
-        if world > actor_size:
-            raise ValueError(f"actor world size {world} exceeds trainer.actor_devices {actor_size}")
-        if engine_slots > rollout_size:
-            raise ValueError(f"rollout.num_engines x rollout.tensor_parallel = {engine_slots} exceeds "
-                             f"trainer.rollout_devices {rollout_size}")
-        if devices is not None and actor_size + rollout_size > devices:
-            raise ValueError(f"trainer.actor_devices + trainer.rollout_devices = {actor_size + rollout_size} "
-                             f"exceeds the {devices} devices of launcher.nodes x launcher.gpus_per_node")
+        # CPU-only nodes: the pools hold exactly what is needed unless their sizes are given.
+        actor_size = layout.actor_devices if layout.actor_devices is not None else world
+        rollout_size = layout.rollout_devices if layout.rollout_devices is not None else engine_slots
         pools = {"actor": PoolPlan("actor", tuple(_bundle(on_gpu, cpus_per_bundle) for _ in range(actor_size)),
                                    strategy),
                  "rollout": PoolPlan("rollout", tuple(_bundle(on_gpu, cpus_per_bundle) for _ in range(rollout_size)),
@@ -173,9 +140,9 @@ def plan_placement(cfg: Any, *, strategy: str = "PACK", cpus_per_bundle: Optiona
         share = 1.0
 
     engine_bundles = tuple(tuple(range(e * slots_per_engine, (e + 1) * slots_per_engine))
-                           for e in range(r.num_engines))
+                           for e in range(layout.num_engines))
     return PlacementPlan(
-        placement=t.placement, on_gpu=on_gpu, pools=pools,
+        placement=layout.placement, on_gpu=on_gpu, pools=pools,
         actor_pool=actor_pool, actor_bundles=tuple(range(world)), actor_tensor_parallel=actor_tp,
         actor_num_cpus=cpus_per_bundle * share, actor_num_gpus=share if on_gpu else 0.0,
         rollout_pool=rollout_pool, engine_bundles=engine_bundles,

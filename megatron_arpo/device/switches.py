@@ -81,8 +81,7 @@ SWITCHES: tuple[Switch, ...] = (
     ),
     Switch(
         id="weight-transport",
-        where=("megatron_arpo/weight_sync/protocol.py:choose_transport",
-               "megatron_arpo/actor/group.py:ActorGroup._open_sync"),
+        where=("megatron_arpo/weight_sync/protocol.py:choose_transport",),
         cpu="gloo (our receiver over vLLM's stateless process group)",
         gpu="ipc when colocated, nccl for separate pools (vLLM's engines)",
         reason="NCCL and CUDA IPC need CUDA devices",

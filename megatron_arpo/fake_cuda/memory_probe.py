@@ -197,13 +197,11 @@ def measure_stage(cfg, stage: int) -> dict[str, Any]:
     import torch
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-    from megatron_arpo.config import actor_world_size, resolved_model
+    from megatron_arpo.config import resolved_model
     from megatron_arpo.fake_cuda.harness import fake_cuda
 
     actor, model_cfg = cfg.actor, resolved_model(cfg)
-    tp, pp = actor.tensor_parallel, actor.pipeline_parallel
-    world = actor_world_size(cfg)
-    dp = world // (tp * pp)
+    tp, pp, dp, world = cfg.layout.tp, cfg.layout.pp, cfg.layout.dp, cfg.layout.world_size
     if not 0 <= stage < pp:
         raise ValueError(f"stage {stage} is outside the {pp} pipeline stages")
     rank = stage * tp * dp

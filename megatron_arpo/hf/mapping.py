@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Callable, Iterable, Mapping
 
-from megatron_arpo.model_config import ModelConfig, check_hf_config, layout_errors, read_hf_config
+from megatron_arpo.model_config import ModelConfig, check_hf_config, read_hf_config
+from megatron_arpo.parallel_layout import model_layout_errors
 from megatron_arpo.models.registry import get_family
 from megatron_arpo.models.rules import (  # noqa: F401  (re-exported: the converters' vocabulary)
     LAYER,
@@ -116,7 +117,7 @@ def bind_table(cfg: ModelConfig) -> list[BoundRule]:
 
 def check_layout(cfg: ModelConfig, tp: int, pp: int, command: str) -> None:
     """Refuse a ``--tp``/``--pp`` the model cannot take, naming the values it can (no Megatron import)."""
-    errors = layout_errors(cfg, tp, pp, section=command)
+    errors = model_layout_errors(cfg, tp, pp, section=command)
     if errors:
         raise ValueError("; ".join(errors) + " (set with --tp / --pp)")
 

@@ -42,6 +42,7 @@ from typing import Any, Optional
 
 from megatron_arpo.errors import InputError
 from megatron_arpo.fsutil import atomic_write
+from megatron_arpo.trainer.state import Runtime
 
 logger = logging.getLogger(__name__)
 
@@ -102,17 +103,17 @@ def tool_cache_path(cfg: Any) -> Optional[str]:
     return str(Path(cfg.run_dir).resolve() / "tool_cache" / TOOL_CACHE_SNAPSHOT)
 
 
-def driver_state(rt: Any) -> dict[str, Any]:
+def driver_state(rt: Runtime) -> dict[str, Any]:
     return {"step": rt.step, "total_steps": rt.total_steps, "metrics_step": rt.step,
             "sampler": rt.sampler.state_dict(), "rollout": {"seed": rt.cfg.rollout.seed, "call_key": "train-<step>"},
             "tool_cache": TOOL_CACHE_SNAPSHOT if _cache(rt) is not None else None}
 
 
-def _cache(rt: Any) -> Any:
+def _cache(rt: Runtime) -> Any:
     return getattr(rt.tools, "cache", None) if rt.tools is not None else None
 
 
-def save_checkpoint(rt: Any) -> Path:
+def save_checkpoint(rt: Runtime) -> Path:
     """Actor checkpoint with the driver state, then the tool cache snapshot inside it; prunes to keep_last."""
     t = rt.cfg.trainer
     path = Path(rt.actor.save(str(rt.checkpoint_root), driver_state(rt), step=rt.step, keep_last=t.keep_last,
@@ -125,7 +126,7 @@ def save_checkpoint(rt: Any) -> Path:
     return path
 
 
-def restore_driver_state(rt: Any, state: dict[str, Any]) -> None:
+def restore_driver_state(rt: Runtime, state: dict[str, Any]) -> None:
     """Put back step, sampler and tool cache from the extra state the actor's load returned."""
     if "sampler" not in state:
         raise ResumeError(f"checkpoint {rt.resume_from} has no sampler state (was it written by `megatron-arpo "
@@ -149,7 +150,7 @@ def restore_driver_state(rt: Any, state: dict[str, Any]) -> None:
                 rt.sampler.position)
 
 
-def export_hf(rt: Any) -> Path:
+def export_hf(rt: Runtime) -> Path:
     """The final HF checkpoint (safetensors, config, tokenizer) of the policy in ``<run_dir>/hf``."""
     out = rt.run_dir / "hf"
     rt.actor.workers.call_all("write_hf_checkpoint", str(out), timeout=rt.cfg.trainer.timeouts.save_s)

@@ -47,35 +47,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
+
+from megatron_arpo.trainer.state import Runtime
+from megatron_arpo.trainer.steps import sync_weights
 
 logger = logging.getLogger(__name__)
 
 PHASES = ("rollout", "train")
-
-
-@dataclass
-class PhaseState:
-    sleep_level: Optional[int]       # None: the engines never sleep
-    offload: bool
-    phase: str = "rollout"           # start_runtime switches to "rollout" once: engines awake, actor offloaded
-    engines_asleep: bool = False
-    weights_dropped: bool = False    # slept at level 2: the engines hold no weights until a sync
-    actor_offloaded: bool = False
-    weights_stale: bool = False      # the actor's weights changed since the engines last got them
-    # What happened to the GPUs' holders, in order ("engines ready", "engines asleep", "actor ready", ...):
-    # the start-up (megatron_arpo.trainer.runtime) and every switch append to it, and log each line.
-    events: list[str] = field(default_factory=list, compare=False)
-
-    def note(self, event: str) -> None:
-        self.events.append(event)
-        logger.info("phase: %s", event)
-
-    @classmethod
-    def from_config(cls, cfg: Any) -> "PhaseState":
-        r = cfg.rollout
-        return cls(sleep_level=r.sleep_level if r.enable_sleep_mode else None, offload=cfg.actor.offload)
 
 
 def _timed(metrics: dict[str, float], key: str, fn: Callable[[], Any]) -> Any:
@@ -85,7 +64,7 @@ def _timed(metrics: dict[str, float], key: str, fn: Callable[[], Any]) -> Any:
     return out
 
 
-def _on_engines(rt: Any, method: str, *args: Any) -> list:
+def _on_engines(rt: Runtime, method: str, *args: Any) -> list:
     """``method`` on every engine actor at once, bounded by ``trainer.timeouts.sync_s``."""
     async def call() -> list:
         return list(await asyncio.gather(*(getattr(e, method).remote(*args) for e in rt.engines)))
@@ -94,7 +73,7 @@ def _on_engines(rt: Any, method: str, *args: Any) -> list:
                         "trainer.timeouts.sync_s")
 
 
-def sleep_engines(rt: Any, metrics: Optional[dict] = None) -> None:
+def sleep_engines(rt: Runtime, metrics: Optional[dict] = None) -> None:
     """The engines release their memory (level ``rollout.sleep_level``); a no-op without sleep mode."""
     st = rt.phases
     if st.sleep_level is None or st.engines_asleep:
@@ -104,11 +83,9 @@ def sleep_engines(rt: Any, metrics: Optional[dict] = None) -> None:
     st.note(f"engines asleep (level {st.sleep_level})")
 
 
-def switch_phase(rt: Any, target: str) -> dict[str, float]:
+def switch_phase(rt: Runtime, target: str) -> dict[str, float]:
     """Bring the colocated GPUs into ``target`` (see the module docstring); returns the phase metrics
     (``phase/*_s``, ``phase/offload_*``) and, when it synced, the sync metrics (``sync/*``)."""
-    from megatron_arpo.trainer.steps import sync_weights
-
     if target not in PHASES:
         raise ValueError(f"unknown phase {target!r}; allowed: {PHASES}")
     st, metrics = rt.phases, {}

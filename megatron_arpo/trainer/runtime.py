@@ -37,14 +37,38 @@ asyncio parts; the actor group and ``ray.get`` calls take their own timeouts).
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import logging
 import math
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Awaitable, Optional
+from typing import TYPE_CHECKING, Optional
+
+from megatron_arpo.cluster.placement import PlacementPlan, ResourcePools, plan_placement
+from megatron_arpo.cluster.runtime import connect_ray
+from megatron_arpo.config import BUILTIN_REWARDS, ExperimentConfig
+from megatron_arpo.config_schema import DataSection
+from megatron_arpo.data.chat import ChatFormat, load_chat_format
+from megatron_arpo.data.datasets import DEFAULT_SYSTEM_PROMPT, filter_by_length, load_prompt_files, render_prompt
+from megatron_arpo.data.sampler import EpochSampler
+from megatron_arpo.errors import ConfigError
+from megatron_arpo.fsutil import atomic_write
+from megatron_arpo.rewards import get_reward_fn
+from megatron_arpo.rollout.group import RolloutGroup
+from megatron_arpo.tools.base import ToolError, TransportError
+from megatron_arpo.tools.registry import build_tools
+from megatron_arpo.tracking import MetricsLogger
+from megatron_arpo.trainer import checkpointing
+from megatron_arpo.trainer.phases import sleep_engines, switch_phase
+from megatron_arpo.trainer.replay import ReplaySource
+from megatron_arpo.trainer.state import PhaseState, PromptSet, Runtime
+from megatron_arpo.weight_sync.protocol import choose_transport
+
+# Imported where they are used: the actor group, the rollout scheduler, the engine and the KV-cache check
+# import torch (the engine also vLLM), the tokenizer transformers; `import megatron_arpo.trainer.runtime`
+# stays light (train.py imports it before the config is read).
+if TYPE_CHECKING:
+    from megatron_arpo.actor.group import ActorGroup
 
 logger = logging.getLogger(__name__)
 
@@ -53,24 +77,8 @@ CPU_BLOCK_SIZE = 32  # smallest block the CPU attention takes: prefix caching wo
 TOOL_PROBES = {"python": "print(1 + 1)", "search": "capital"}
 
 
-@dataclass
-class PromptSet:
-    """Prompts of one split: records (question, ground truth, data source) and their rendered token ids."""
-
-    records: list
-    token_ids: list[list[int]]
-    num_dropped: int = 0
-
-    def __len__(self) -> int:
-        return len(self.records)
-
-
-def load_prompt_set(files: list[str], data: Any, chat: Any) -> PromptSet:
+def load_prompt_set(files: list[str], data: DataSection, chat: ChatFormat) -> PromptSet:
     """``chat``: the checkpoint's `ChatFormat` (its template renders the prompts)."""
-    from megatron_arpo.data.datasets import DEFAULT_SYSTEM_PROMPT, filter_by_length, load_prompt_files, render_prompt
-
-    from megatron_arpo.config import BUILTIN_REWARDS
-
     records, stats = load_prompt_files(files, fmt=data.format, on_bad_row=data.on_bad_row,
                                        system_prompt=data.system_prompt or DEFAULT_SYSTEM_PROMPT,
                                        strict_answers=data.reward in BUILTIN_REWARDS,
@@ -82,170 +90,23 @@ def load_prompt_set(files: list[str], data: Any, chat: Any) -> PromptSet:
     return PromptSet([records[i] for i in keep], [token_ids[i] for i in keep], dropped)
 
 
-def count_steps(cfg: Any, num_prompts: int) -> int:
+def count_steps(cfg: ExperimentConfig, num_prompts: int) -> int:
     t = cfg.trainer
     if t.total_steps is not None:
         return t.total_steps
     per_epoch = num_prompts // t.train_batch_size if cfg.data.drop_last else math.ceil(num_prompts / t.train_batch_size)
     if per_epoch < 1:
-        from megatron_arpo.config import ConfigError
-
         raise ConfigError([f"trainer.train_batch_size: {t.train_batch_size} exceeds the {num_prompts} training "
                            f"prompts with data.drop_last; lower it, add data, or set trainer.total_steps"])
     return per_epoch * t.total_epochs
 
 
-def with_absolute_paths(cfg: Any) -> Any:
+def with_absolute_paths(cfg: ExperimentConfig) -> ExperimentConfig:
     """The config with model paths made absolute: Ray workers do not share the driver's working dir."""
     overrides = [f"{key}={Path(value).resolve()}" for key, value in
                  (("model.hf_checkpoint", cfg.model.hf_checkpoint), ("model.tokenizer", cfg.model.tokenizer),
                   ("trainer.run_dir", cfg.trainer.run_dir)) if value]
     return cfg.with_overrides(overrides)
-
-
-@dataclass
-class Runtime:
-    cfg: Any
-    run_dir: Path
-    loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.new_event_loop)
-    tokenizer: Any = None
-    chat: Any = None                  # megatron_arpo.data.chat.ChatFormat
-    train: Optional[PromptSet] = None
-    val: Optional[PromptSet] = None
-    sampler: Any = None
-    total_steps: int = 0
-    step: int = 0
-    last_saved_step: Optional[int] = None
-    resume_from: Optional[Path] = None
-    conn: Any = None
-    pools: Any = None
-    engines: list = field(default_factory=list)
-    actor: Any = None
-    reference: Any = None
-    group: Any = None
-    scheduler: Any = None
-    options: Any = None
-    protocol: Any = None
-    tools: Any = None
-    transport: Any = None
-    reward_fn: Any = None
-    metrics_logger: Any = None
-    tied_embeddings: bool = False
-    phases: Any = None                # megatron_arpo.trainer.phases.PhaseState (colocated sleep/offload)
-    replay: Any = None                # megatron_arpo.trainer.replay.ReplaySource when replaying records
-    closed: bool = False
-
-    @property
-    def checkpoint_root(self) -> Path:
-        return self.run_dir / "checkpoints"
-
-    def run_async(self, coro: Awaitable, timeout: float, what: str, timeout_key: str,
-                  cancel_when: Optional[Any] = None) -> Any:
-        """Run a coroutine on the runtime's event loop, bounded by ``timeout`` seconds; a dead engine actor
-        becomes one RuntimeError naming the phase. ``cancel_when()`` turning true (a stop request) cancels it
-        and raises ``StepAborted``."""
-        from ray.exceptions import RayActorError
-
-        try:
-            if cancel_when is not None:
-                return self.loop.run_until_complete(_cancellable(asyncio.wait_for(coro, timeout), cancel_when, what))
-            return self.loop.run_until_complete(asyncio.wait_for(coro, timeout))
-        except RayActorError as exc:  # the only actors awaited here are the engines
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise RuntimeError(f"{what} failed: a vLLM engine actor died ({first}); its log is in the Ray session "
-                               f"dir (logs/worker-*.err)") from exc
-        except asyncio.TimeoutError as exc:
-            raise TimeoutError(f"{what} did not finish within {timeout:.0f} s ({timeout_key}); "
-                               f"an engine or a tool may hang — check the Ray logs, or raise the timeout") from exc
-
-    def __enter__(self) -> "Runtime":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def close(self) -> None:
-        """Stop everything this runtime started; idempotent, never raises."""
-        if self.closed:
-            return
-        self.closed = True
-        steps = [("tools", self._close_tools), ("actor", lambda: self.actor and self.actor.shutdown()),
-                 ("reference", lambda: self.reference and self.reference.shutdown()),
-                 ("engines", self._stop_engines), ("resource pools", lambda: self.pools and self.pools.remove()),
-                 ("leftover check", self._report_leftovers),
-                 ("metrics logger", lambda: self.metrics_logger and self.metrics_logger.close()),
-                 ("ray", lambda: self.conn and self.conn.shutdown())]
-        for name, fn in steps:
-            try:
-                fn()
-            except Exception as exc:  # keep stopping the rest
-                logger.warning("shutdown: stopping %s failed: %s", name, exc)
-        self.loop.close()
-
-    def _close_tools(self) -> None:
-        if self.tools is not None:
-            self.loop.run_until_complete(asyncio.wait_for(self.tools.close(), 30))
-
-    def _stop_engines(self) -> None:
-        import ray
-
-        if not self.engines:
-            return
-        try:
-            ray.get([e.shutdown.remote() for e in self.engines], timeout=30)
-        except Exception as exc:  # a dead engine cannot shut down; killing it is enough
-            logger.debug("engine shutdown: %s", exc)
-        for engine in self.engines:
-            ray.kill(engine, no_restart=True)
-        self.engines = []
-
-    def _report_leftovers(self) -> None:
-        """Wait (briefly) until every actor this job started is DEAD in the GCS; warn about any that is not."""
-        import time
-
-        deadline = time.monotonic() + 15.0
-        alive = alive_actors_of_this_job()
-        while alive and time.monotonic() < deadline:
-            time.sleep(0.5)
-            alive = alive_actors_of_this_job()
-        if alive is None:
-            return
-        if alive:
-            logger.warning("shutdown: %d Ray actor(s) of this job still alive: %s", len(alive), alive[:5])
-        else:
-            logger.info("shutdown: no Ray actor of this job is alive")
-
-
-async def _cancellable(coro: Awaitable, cancel_when: Any, what: str, poll_s: float = 0.2) -> Any:
-    from megatron_arpo.trainer.signals import StepAborted
-
-    task = asyncio.ensure_future(coro)
-    while True:
-        done, _ = await asyncio.wait({task}, timeout=poll_s)
-        if done:
-            return task.result()
-        if cancel_when():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            raise StepAborted(f"{what} was cancelled by a stop request")
-
-
-def alive_actors_of_this_job() -> Optional[list[str]]:
-    """Class names of this job's actors that are not DEAD (GCS actor table); None when it cannot be read."""
-    import ray
-
-    if not ray.is_initialized():
-        return None
-    try:
-        from ray._private import state
-
-        job = ray.get_runtime_context().get_job_id()
-        table = state.actors()
-    except Exception as exc:  # a private API: report "unknown" rather than fail the shutdown
-        logger.debug("cannot read the actor table: %s", exc)
-        return None
-    return [info.get("ActorClassName", "?") for info in table.values()
-            if info.get("JobID") == job and info.get("State") != "DEAD"]
 
 
 def _start_engines(rt: Runtime, hf_dir: str, on_gpu: bool) -> None:
@@ -276,7 +137,6 @@ def ready_engines(rt: Runtime, on_gpu: bool) -> None:
     import ray
 
     from megatron_arpo.rollout.kv_cache import check_kv_caches
-    from megatron_arpo.trainer.phases import sleep_engines
 
     _wait_for_engines(rt)
     rt.phases.note("engines ready")
@@ -307,8 +167,6 @@ def _wait_for_engines(rt: Runtime) -> None:
 def _probe_tools(rt: Runtime) -> None:
     """One direct call per tool (no cache, no retries): a backend that is down stops the run here, with
     its error, instead of turning every tool call of training into an error result."""
-    from megatron_arpo.tools.base import ToolError, TransportError
-
     for tag, tool in rt.tools.tools.items():
         try:
             result = rt.run_async(tool.execute(TOOL_PROBES.get(tag, "test")), rt.cfg.tools.timeout_s,
@@ -320,18 +178,14 @@ def _probe_tools(rt: Runtime) -> None:
             raise RuntimeError(f"tool {tag!r} timed out on a trivial probe call; check tools.{tag}")
 
 
-def record_placement(cfg: Any, actor: Any) -> None:
+def record_placement(cfg: ExperimentConfig, actor: ActorGroup) -> None:
     """``<run_dir>/placement.json``: the node each actor rank landed on (for operators and tests)."""
-    from megatron_arpo.fsutil import atomic_write
-
     rows = [dataclasses.asdict(p) for p in actor.workers.placement]
     with atomic_write(cfg.run_dir / "placement.json") as fh:
         json.dump({"actor": rows}, fh, indent=2)
 
 
-def _placement_plan(cfg: Any) -> Any:
-    from megatron_arpo.cluster.placement import plan_placement
-
+def _placement_plan(cfg: ExperimentConfig) -> PlacementPlan:
     plan = plan_placement(cfg)
     if cfg.algorithm.use_reference:
         # The frozen reference runs on the policy's bundles: each takes half of the policy's share.
@@ -339,27 +193,15 @@ def _placement_plan(cfg: Any) -> Any:
     return plan
 
 
-def start_runtime(cfg: Any, resume: str, replay_dir: Optional[str] = None) -> Runtime:
+def start_runtime(cfg: ExperimentConfig, resume: str, replay_dir: Optional[str] = None) -> Runtime:
     from transformers import AutoTokenizer
 
     from megatron_arpo.actor.group import ActorGroup
-    from megatron_arpo.cluster.placement import ResourcePools
-    from megatron_arpo.cluster.runtime import connect_ray
-    from megatron_arpo.config import resolved_model
-    from megatron_arpo.data.sampler import EpochSampler
-    from megatron_arpo.rewards import get_reward_fn
-    from megatron_arpo.rollout.group import RolloutGroup
-    from megatron_arpo.data.chat import load_chat_format
     from megatron_arpo.rollout.scheduler import RolloutOptions, RolloutScheduler
-    from megatron_arpo.weight_sync.protocol import choose_transport
-    from megatron_arpo.trainer import checkpointing
-    from megatron_arpo.trainer.phases import PhaseState, switch_phase
 
     cfg = with_absolute_paths(cfg)
     rt = Runtime(cfg=cfg, run_dir=cfg.run_dir)
     if replay_dir is not None:
-        from megatron_arpo.trainer.replay import ReplaySource
-
         rt.replay = ReplaySource.open(replay_dir)  # a bad DIR fails before anything starts
     try:
         rt.run_dir.mkdir(parents=True, exist_ok=True)
@@ -378,7 +220,6 @@ def start_runtime(cfg: Any, resume: str, replay_dir: Optional[str] = None) -> Ru
         if rt.replay is None:  # tools run in this process: build and probe them before anything expensive starts
             _start_tools(rt)
         rt.options = RolloutOptions.from_config(cfg.rollout)
-        rt.tied_embeddings = resolved_model(cfg).tie_word_embeddings
         # auto: gloo on CPU, ipc when colocated on GPUs, nccl for separate pools (a bad choice fails here).
         rt.transport = choose_transport(cfg.rollout.sync_transport, cfg.launcher.gpus_per_node > 0,
                                         cfg.trainer.placement)
@@ -397,7 +238,7 @@ def start_runtime(cfg: Any, resume: str, replay_dir: Optional[str] = None) -> Ru
                            * cfg.actor.ppo_epochs)
         rt.actor = ActorGroup(cfg, role="policy", hf_dir=hf_dir,
                               load_dir=str(rt.resume_from) if rt.resume_from else None,
-                              total_steps=optimizer_steps, pools=rt.pools)
+                              total_steps=optimizer_steps, pools=rt.pools, transport=rt.transport)
         rt.phases.note("actor ready" + (f" (resumed from {rt.resume_from.name})" if rt.resume_from else ""))
         record_placement(cfg, rt.actor)
         if cfg.algorithm.use_reference:
@@ -422,9 +263,6 @@ def start_runtime(cfg: Any, resume: str, replay_dir: Optional[str] = None) -> Ru
 
 
 def _start_tools(rt: Runtime) -> None:
-    from megatron_arpo.tools.registry import build_tools
-    from megatron_arpo.trainer import checkpointing
-
     tools_cfg = rt.cfg.to_dict()["tools"]
     if tools_cfg["cache"] is not None:
         tools_cfg["cache"]["path"] = checkpointing.tool_cache_path(rt.cfg)  # node-local unless set
@@ -435,8 +273,6 @@ def _start_tools(rt: Runtime) -> None:
 
 
 def _start_metrics_logger(rt: Runtime) -> None:
-    from megatron_arpo.tracking import MetricsLogger
-
     w = rt.cfg.logging.wandb
     # A fresh run drops every line of an earlier run in the same directory; a resumed one keeps its steps.
     rt.metrics_logger = MetricsLogger(rt.run_dir, rt.cfg.redacted(), wandb_mode=w.mode, project=w.project,

@@ -33,10 +33,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from megatron_arpo.trainer.state import Runtime
+
 logger = logging.getLogger(__name__)
 
 
-def next_prompts(rt: Any) -> tuple[list, list[int]]:
+def next_prompts(rt: Runtime) -> tuple[list, list[int]]:
     from megatron_arpo.rollout.scheduler import RolloutPrompt
 
     indices = rt.sampler.next_batch()
@@ -44,12 +46,12 @@ def next_prompts(rt: Any) -> tuple[list, list[int]]:
             for k, i in enumerate(indices)], indices
 
 
-def _run_scheduler(rt: Any, prompts: list, call_key: str, options: Any, what: str, cancel_when: Any = None) -> Any:
+def _run_scheduler(rt: Runtime, prompts: list, call_key: str, options: Any, what: str, cancel_when: Any = None) -> Any:
     return rt.run_async(rt.scheduler.run(prompts, call_key=call_key, options=options),
                         rt.cfg.trainer.timeouts.rollout_s, what, "trainer.timeouts.rollout_s", cancel_when)
 
 
-def rollout(rt: Any, prompts: list, step: int, cancel_when: Any = None) -> tuple[list, Any]:
+def rollout(rt: Runtime, prompts: list, step: int, cancel_when: Any = None) -> tuple[list, Any]:
     """The step's prompts and ``RolloutResult``; ``cancel_when()`` (a stop request) cancels the rollout:
     ``StepAborted`` (see trainer.signals). A replay returns the recorded prompts and trajectories."""
     if rt.replay is not None:
@@ -76,7 +78,7 @@ def check_tool_backends(trajectories: list, step: int) -> None:
                                f"(after tools.retries retries each); the backend is down — check tools.{tool}")
 
 
-def score(rt: Any, result: Any, prompts: list, prompt_set: Any, indices: list[int]) -> dict[str, str]:
+def score(rt: Runtime, result: Any, prompts: list, prompt_set: Any, indices: list[int]) -> dict[str, str]:
     """Set ``reward`` on every trajectory; returns prompt id -> data source (for per-source metrics)."""
     from megatron_arpo.rollout.trajectory import score_trajectories
 
@@ -94,7 +96,7 @@ def score(rt: Any, result: Any, prompts: list, prompt_set: Any, indices: list[in
     return sources
 
 
-def make_train_batch(rt: Any, result: Any) -> dict[str, Any]:
+def make_train_batch(rt: Runtime, result: Any) -> dict[str, Any]:
     from megatron_arpo.algo.advantages import grpo_advantages
 
     alg = rt.cfg.algorithm
@@ -149,7 +151,7 @@ def _logged_zero_signal_steps(path: Path, step: int) -> int:
     return count
 
 
-def add_log_probs(rt: Any, batch: dict[str, Any], timer: Any) -> dict[str, float]:
+def add_log_probs(rt: Runtime, batch: dict[str, Any], timer: Any) -> dict[str, float]:
     """Adds ``old_logprobs``, ``entropy`` and (with a reference) ``ref_logprobs`` to the batch."""
     lp_batch = {"input_ids": batch["input_ids"], "group_ids": batch["group_ids"]}
     with timer("logprob"):
@@ -161,23 +163,23 @@ def add_log_probs(rt: Any, batch: dict[str, Any], timer: Any) -> dict[str, float
     return {"padding_fraction": out["padding_fraction"]}
 
 
-def tool_stats(rt: Any) -> dict[str, Any]:
+def tool_stats(rt: Runtime) -> dict[str, Any]:
     """The tool executor's counters (none when replaying records: no tool runs)."""
     return rt.tools.stats() if rt.tools is not None else {}
 
 
-def tool_tags(rt: Any, trajectories: list) -> list[str]:
+def tool_tags(rt: Runtime, trajectories: list) -> list[str]:
     if rt.tools is not None:
         return list(rt.tools.tags)
     return sorted({c.tool for t in trajectories for c in t.tool_calls})
 
 
-def update(rt: Any, batch: dict[str, Any]) -> dict[str, float]:
+def update(rt: Runtime, batch: dict[str, Any]) -> dict[str, float]:
     train_keys = ("input_ids", "loss_mask", "advantages", "group_ids", "old_logprobs", "ref_logprobs")
     return rt.actor.update({k: batch[k] for k in train_keys if k in batch})
 
 
-def sync_weights(rt: Any) -> dict[str, float]:
+def sync_weights(rt: Runtime) -> dict[str, float]:
     """Actor ranks -> engines (``ActorGroup.sync_weights``); returns the sync metrics."""
     from megatron_arpo.trainer.metrics import sync_metrics
 
@@ -186,7 +188,7 @@ def sync_weights(rt: Any) -> dict[str, float]:
     return sync_metrics(rt.actor.sync_weights(rt.group))  # verify: rollout.verify_sync (first sync by default)
 
 
-def validate(rt: Any, step: int) -> dict[str, float]:
+def validate(rt: Runtime, step: int) -> dict[str, float]:
     from megatron_arpo.rollout.scheduler import RolloutPrompt
     from megatron_arpo.trainer.metrics import validation_metrics
 

@@ -2,7 +2,7 @@
 
 - ``protocol``: what both halves agree on (transports, bucket layout and packing, buffer reuse, the
   verify sample, the driver's engine calls and reports);
-- ``senders``: the actor side, one sender class per transport (gloo, NCCL, CUDA IPC), and `LocalSync`;
+- ``senders``: the actor side, one module per transport (gloo, NCCL, CUDA IPC), and `LocalSync`;
 - ``receivers``: the engine side, vLLM weight-transfer engines for the three transports;
 - ``vllm_plugin``: registers the receivers in every vLLM process.
 

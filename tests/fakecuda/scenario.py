@@ -127,7 +127,7 @@ def run(spec: dict) -> dict:
         step("export", export)
 
         def send():  # the weight sync's send path: this stage's buckets, gathered on the sender, as they leave
-            from megatron_arpo.weight_sync.senders import StageSender
+            from megatron_arpo.weight_sync.senders.base import StageSender
 
             class Recorder(StageSender):  # the transport's place: records what would go on the wire
                 sent: list = []

@@ -22,7 +22,7 @@ from megatron_arpo.rollout.engine import EngineConfig, SegmentRequest, VllmEngin
 from megatron_arpo.rollout.group import RolloutGroup
 from megatron_arpo.rollout.protocol import TagProtocol
 from megatron_arpo.rollout.scheduler import RolloutOptions, RolloutPrompt, RolloutScheduler
-from megatron_arpo.weight_sync.senders import LocalSync
+from megatron_arpo.weight_sync.senders.local import LocalSync
 from megatron_arpo.tiny.checkpoint import tiny_checkpoint
 from megatron_arpo.tools.registry import build_tools
 

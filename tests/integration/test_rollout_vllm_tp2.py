@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from megatron_arpo.rollout.engine import EngineConfig, SegmentRequest, VllmEngine
-from megatron_arpo.weight_sync.senders import LocalSync
+from megatron_arpo.weight_sync.senders.local import LocalSync
 from megatron_arpo.tiny.checkpoint import tiny_checkpoint
 
 pytestmark = pytest.mark.slow

@@ -119,15 +119,13 @@ def parts(ray_single_node, tmp_path_factory):  # noqa: F811
 
 def make_runtime(cfg, engine, group, run_dir, log):
     from megatron_arpo.rollout.group import RolloutGroup
-    from megatron_arpo.trainer.phases import PhaseState
-    from megatron_arpo.trainer.runtime import Runtime
+    from megatron_arpo.trainer.state import PhaseState, Runtime
 
     rt = Runtime(cfg=cfg, run_dir=run_dir)
     rt.engines = [LoggedEngine(engine, log)]
     rt.group = RolloutGroup(rt.engines)
     rt.actor = LoggedActor(group, log)
     rt.transport = "gloo"
-    rt.tied_embeddings = True  # tiny-qwen3
     rt.phases = PhaseState.from_config(cfg)
     return rt
 
@@ -218,7 +216,8 @@ def test_the_colocated_switch_orders_sleep_offload_wake_and_sync(parts):
 
 
 def test_without_sleep_and_offload_the_switch_is_the_sync_alone(parts):
-    from megatron_arpo.trainer.phases import PhaseState, switch_phase
+    from megatron_arpo.trainer.phases import switch_phase
+    from megatron_arpo.trainer.state import PhaseState
 
     cfg, engine, group, run_dir = parts
     log: list = []

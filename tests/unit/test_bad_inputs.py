@@ -312,7 +312,7 @@ def _corrupt_distcp(d: Path) -> list[str]:
     """4 KB of random bytes in the middle of the largest saved chunk (inside its tensor data)."""
     import random
 
-    from conversion.dcp_read import read_dcp_metadata
+    from megatron_arpo.ckpt_format.torch_dist import read_dcp_metadata
 
     mg = _converted(d)
     where = max(read_dcp_metadata(mg / ".metadata")[1].values(), key=lambda info: info.length)
@@ -430,7 +430,7 @@ def test_a_megatron_written_metadata_passes_the_allow_list(tmp_path):
     from torch.distributed.checkpoint.planner import (BytesIOWriteData, SavePlan, TensorWriteData, WriteItem,
                                                       WriteItemType)
 
-    from conversion import dcp_pickles
+    from megatron_arpo.ckpt_format import dcp_pickles
 
     chunk = ChunkStorageMetadata(offsets=torch.Size([0]), sizes=torch.Size([4]))
     items = [WriteItem(MetadataIndex("w", torch.Size([0])), WriteItemType.SHARD,
@@ -449,7 +449,7 @@ def test_the_resume_checks_every_record_crc(tmp_path):
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from conversion.dcp_read import read_dcp_metadata
+    from megatron_arpo.ckpt_format.torch_dist import read_dcp_metadata
     from megatron_arpo.actor import checkpoint_pickles
 
     checkpoint_pickles.install_restricted_unpickling()

@@ -423,15 +423,13 @@ def test_python_dash_m_entry_point():
 
 
 def test_actor_world_size_and_devices():
-    from megatron_arpo.config import actor_world_size, total_devices
-
     cpu = load_config(DEMO)
-    assert total_devices(cpu) is None and actor_world_size(cpu) == 1
+    assert cpu.layout.total_devices is None and cpu.layout.world_size == 1
     gpu = build_config(minimal(model={"config": "qwen3-32b"}, launcher={"nodes": 4, "gpus_per_node": 8}))
-    assert total_devices(gpu) == 32 and actor_world_size(gpu) == 32
+    assert gpu.layout.total_devices == 32 and gpu.layout.world_size == 32
     split = gpu.with_overrides(["trainer.placement=separate", "trainer.actor_devices=16", "trainer.rollout_devices=16",
                                 "actor.pipeline_parallel=2"])
-    assert actor_world_size(split) == 16
+    assert split.layout.world_size == 16
 
 
 def test_tools_section_feeds_build_tools(tmp_path):

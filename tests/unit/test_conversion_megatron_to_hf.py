@@ -114,9 +114,10 @@ def test_pickles_are_read_without_torch_and_match_torchs_reading(converted):
     import torch
     from torch.distributed.checkpoint import FileSystemReader
 
-    from conversion import dcp_pickles, dcp_read
+    from conversion.dcp_read import DistCheckpointReader
+    from megatron_arpo.ckpt_format import dcp_pickles, torch_dist
 
-    tensors, storage = dcp_read.read_dcp_metadata(converted / ".metadata")
+    tensors, storage = torch_dist.read_dcp_metadata(converted / ".metadata")
     reference = FileSystemReader(str(converted)).read_metadata()
     assert set(tensors) == {k for k, v in reference.state_dict_metadata.items() if hasattr(v, "chunks")}
     for key, info in tensors.items():
@@ -128,7 +129,7 @@ def test_pickles_are_read_without_torch_and_match_torchs_reading(converted):
         assert (mine.relative_path, mine.offset, mine.length) == (where.relative_path, where.offset, where.length)
         if index.fqn in tensors:  # a chunk's data.pkl, read by hand, against torch.load
             with open(converted / where.relative_path, "rb") as fh:
-                view = dcp_read._FileView(fh, where.offset, where.length)
+                view = torch_dist._FileView(fh, where.offset, where.length)
                 archive = zipfile.ZipFile(view)
                 recipe = dcp_pickles.load_chunk_recipe(archive.read(next(n for n in archive.namelist()
                                                                          if n.endswith("/data.pkl"))))
@@ -151,22 +152,22 @@ def test_pickles_are_read_without_torch_and_match_torchs_reading(converted):
     # tqdm_ray patches builtins.print once a Ray driver ran in this process).
     (bad / ".metadata").write_bytes(b"cbuiltins\nprint\n(Vpwned\ntR.")
     with pytest.raises(ValueError, match=r"\.metadata: refusing to load builtins\.print"):
-        dcp_read.DistCheckpointReader(bad)
+        DistCheckpointReader(bad)
 
 
 def test_an_unknown_torch_class_falls_back_to_dcps_own_reader(converted, monkeypatch):
-    from conversion import dcp_pickles, dcp_read
+    from megatron_arpo.ckpt_format import dcp_pickles, torch_dist
 
     def unknown(self, module, name):
         raise dcp_pickles.UnknownTorchName(f"{module}.{name}: not known here")
 
-    expected = dcp_read.read_dcp_metadata(converted / ".metadata")[0]
+    expected = torch_dist.read_dcp_metadata(converted / ".metadata")[0]
     monkeypatch.setattr(dcp_pickles.MetadataUnpickler, "find_class", unknown)
-    assert dcp_read.read_dcp_metadata(converted / ".metadata")[0] == expected
+    assert torch_dist.read_dcp_metadata(converted / ".metadata")[0] == expected
 
 
 def test_stored_tensor_plainness():
-    from conversion.dcp_pickles import StoredTensor
+    from megatron_arpo.ckpt_format.dcp_pickles import StoredTensor
 
     assert StoredTensor("bfloat16", "0", 12, 0, (3, 4), (4, 1)).is_plain
     assert not StoredTensor("bfloat16", "0", 12, 0, (4, 3), (1, 4)).is_plain  # transposed

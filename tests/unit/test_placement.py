@@ -7,20 +7,12 @@ import dataclasses
 import pytest
 
 from megatron_arpo.cluster.placement import plan_placement
-from megatron_arpo.config import build_config
-
-
-def config(**sections):
-    raw = {"model": {"config": "tiny-qwen3"}, "rollout": {"response_length": 512},
-           "data": {"max_prompt_tokens": 256}, "tools": {"search": {"enabled": False}},
-           "launcher": {"gpus_per_node": 0}}
-    for key, value in sections.items():
-        raw[key] = {**raw.get(key, {}), **value}
-    return build_config(raw)
+from megatron_arpo.config import ConfigError
+from support.configs import tiny_config
 
 
 def test_colocated_cpu_shares_bundles_between_ranks_and_engines():
-    cfg = config(actor={"tensor_parallel": 2, "data_parallel": 2}, rollout={"num_engines": 1})
+    cfg = tiny_config(actor={"tensor_parallel": 2, "data_parallel": 2}, rollout={"num_engines": 1})
     plan = plan_placement(cfg)
     assert list(plan.pools) == ["shared"]
     pool = plan.pools["shared"]
@@ -34,7 +26,7 @@ def test_colocated_cpu_shares_bundles_between_ranks_and_engines():
 
 
 def test_colocated_cpu_pool_grows_to_fit_more_engine_slots_than_ranks():
-    cfg = config(rollout={"num_engines": 3})
+    cfg = tiny_config(rollout={"num_engines": 3})
     plan = plan_placement(cfg, strategy="SPREAD", cpus_per_bundle=2)
     assert plan.pools["shared"].size == 3 and plan.pools["shared"].strategy == "SPREAD"
     assert plan.actor_bundles == (0,)
@@ -43,7 +35,7 @@ def test_colocated_cpu_pool_grows_to_fit_more_engine_slots_than_ranks():
 
 
 def test_colocated_gpu_one_bundle_per_gpu_with_time_slicing():
-    cfg = config(model={"config": "qwen3-8b"}, launcher={"nodes": 2, "gpus_per_node": 4, "cpus_per_task": 32},
+    cfg = tiny_config(model={"config": "qwen3-8b"}, launcher={"nodes": 2, "gpus_per_node": 4, "cpus_per_task": 32},
                  actor={"tensor_parallel": 2, "pipeline_parallel": 1},
                  rollout={"num_engines": 4, "tensor_parallel": 2, "response_length": 1024})
     plan = plan_placement(cfg)
@@ -56,7 +48,7 @@ def test_colocated_gpu_one_bundle_per_gpu_with_time_slicing():
 
 
 def test_separate_gpu_pools_are_disjoint_and_sized_from_the_config():
-    cfg = config(model={"config": "qwen3-8b"}, launcher={"nodes": 2, "gpus_per_node": 8},
+    cfg = tiny_config(model={"config": "qwen3-8b"}, launcher={"nodes": 2, "gpus_per_node": 8},
                  actor={"tensor_parallel": 4, "pipeline_parallel": 1},
                  rollout={"num_engines": 2, "tensor_parallel": 2, "response_length": 1024},
                  trainer={"placement": "separate", "actor_devices": 12, "rollout_devices": 4})
@@ -71,7 +63,7 @@ def test_separate_gpu_pools_are_disjoint_and_sized_from_the_config():
 
 
 def test_separate_cpu_pools_are_process_slots():
-    cfg = config(actor={"tensor_parallel": 2}, rollout={"num_engines": 2},
+    cfg = tiny_config(actor={"tensor_parallel": 2}, rollout={"num_engines": 2},
                  trainer={"placement": "separate", "actor_devices": 2, "rollout_devices": 2})
     plan = plan_placement(cfg)
     assert {name: p.size for name, p in plan.pools.items()} == {"actor": 2, "rollout": 2}
@@ -80,23 +72,26 @@ def test_separate_cpu_pools_are_process_slots():
 
 
 def test_pools_too_small_are_errors_naming_the_keys():
-    # load-time validation rejects these too; the plan re-checks configs changed after loading
-    cfg = config(actor={"tensor_parallel": 2, "data_parallel": 1}, rollout={"num_engines": 2},
+    # load-time validation rejects these too; a config changed after loading gets its layout (and so its
+    # refusal) when the plan reads cfg.layout
+    cfg = tiny_config(actor={"tensor_parallel": 2, "data_parallel": 1}, rollout={"num_engines": 2},
                  trainer={"placement": "separate", "actor_devices": 2, "rollout_devices": 2})
     more_engines = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, num_engines=3))
-    with pytest.raises(ValueError, match=r"tensor_parallel = 3 exceeds trainer.rollout_devices 2"):
+    with pytest.raises(ConfigError, match=r"rollout.num_engines x rollout.tensor_parallel = 3 exceeds the 2 rollout "
+                                          r"devices"):
         plan_placement(more_engines)
     small_actor = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, actor_devices=1))
-    with pytest.raises(ValueError, match="actor world size 2 exceeds trainer.actor_devices 1"):
+    with pytest.raises(ConfigError, match=r"actor.tensor_parallel x actor.pipeline_parallel = 2 does not divide the 1 "
+                                          r"actor devices"):
         plan_placement(small_actor)
     no_sizes = dataclasses.replace(cfg, launcher=dataclasses.replace(cfg.launcher, gpus_per_node=8),
                                    trainer=dataclasses.replace(cfg.trainer, rollout_devices=None))
-    with pytest.raises(ValueError, match="trainer.actor_devices and trainer.rollout_devices are required"):
+    with pytest.raises(ConfigError, match="trainer.rollout_devices: required when trainer.placement is 'separate'"):
         plan_placement(no_sizes)
 
 
 def test_bad_strategy_and_share_are_rejected():
-    cfg = config()
+    cfg = tiny_config()
     with pytest.raises(ValueError, match="strategy 'SPREADOUT'"):
         plan_placement(cfg, strategy="SPREADOUT")
     with pytest.raises(ValueError, match="colocate_share"):
@@ -107,7 +102,7 @@ def test_engine_actor_options_follow_the_plan():
     """What each engine actor is started with (resources, vLLM's executor env) comes from the plan."""
     from megatron_arpo.rollout.engine import EngineConfig, engine_actor_options
 
-    cfg = config(model={"config": "qwen3-8b"}, launcher={"nodes": 2, "gpus_per_node": 4, "cpus_per_task": 32},
+    cfg = tiny_config(model={"config": "qwen3-8b"}, launcher={"nodes": 2, "gpus_per_node": 4, "cpus_per_task": 32},
                  actor={"tensor_parallel": 2, "pipeline_parallel": 1},
                  rollout={"num_engines": 4, "tensor_parallel": 2, "response_length": 1024})
     plan = plan_placement(cfg)
@@ -128,7 +123,7 @@ def test_engine_actor_options_follow_the_plan():
 
 
 def test_an_engine_that_would_span_two_nodes_is_refused_with_the_numbers():
-    cfg = config(model={"config": "qwen3-8b"}, launcher={"nodes": 2, "gpus_per_node": 6},
+    cfg = tiny_config(model={"config": "qwen3-8b"}, launcher={"nodes": 2, "gpus_per_node": 6},
                  actor={"tensor_parallel": 2, "pipeline_parallel": 1},
                  rollout={"num_engines": 3, "tensor_parallel": 4, "response_length": 1024})
     with pytest.raises(ValueError, match=r"rollout.tensor_parallel = 4 GPUs per engine do not divide the 6 GPUs "

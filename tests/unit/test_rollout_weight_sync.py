@@ -11,7 +11,7 @@ from megatron_arpo.weight_sync import protocol as ws
 from megatron_arpo.rollout.group import RolloutGroup
 from support.scripted import CharCodec, ScriptedEngine, ScriptedStep
 from megatron_arpo.rollout.engine import SegmentRequest
-from megatron_arpo.weight_sync.senders import LocalSync, push_weights
+from megatron_arpo.weight_sync.senders.local import LocalSync, push_weights
 
 CODEC = CharCodec()
 
@@ -195,7 +195,7 @@ def test_verify_sync_stops_on_a_wrong_load_and_names_the_engine(loop):
 
 
 def test_verify_sync_stops_on_a_corrupted_transfer(loop, monkeypatch):
-    import megatron_arpo.weight_sync.senders as sender_mod
+    import megatron_arpo.weight_sync.senders.base as sender_mod
 
     real = sender_mod.tensor_checksum
 

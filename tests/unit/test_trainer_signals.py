@@ -58,7 +58,7 @@ def test_a_stop_cancels_a_running_phase_at_once(handlers):
     import threading
     import time
 
-    from megatron_arpo.trainer.runtime import Runtime
+    from megatron_arpo.trainer.state import Runtime
     from megatron_arpo.trainer.signals import StepAborted
 
     stop = StopRequest.install()

@@ -143,6 +143,7 @@ def test_a_sync_that_fails_verification_stops_before_the_next_rollout():
     """The WeightSyncError leaves the phase switch (and so the train loop: nothing is saved or rolled out on
     the half-loaded weights); the weights stay stale. Whether to verify is the group's (rollout.verify_sync)."""
     from megatron_arpo.trainer import phases
+    from megatron_arpo.trainer.state import PhaseState
     from megatron_arpo.weight_sync.protocol import WeightSyncError
 
     asked = []
@@ -153,7 +154,7 @@ def test_a_sync_that_fails_verification_stops_before_the_next_rollout():
             raise WeightSyncError("weight sync: engine 0: verify_sync: model.norm.weight differs ...")
 
     rt = SimpleNamespace(cfg=config(), actor=FailingActor(), group=object(), engines=[],
-                         phases=phases.PhaseState(sleep_level=None, offload=False, phase="train", weights_stale=True))
+                         phases=PhaseState(sleep_level=None, offload=False, phase="train", weights_stale=True))
     with pytest.raises(WeightSyncError, match="verify_sync"):
         phases.switch_phase(rt, "rollout")
     assert rt.phases.weights_stale and rt.phases.phase == "train" and asked == [{}]

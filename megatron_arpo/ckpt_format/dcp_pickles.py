@@ -28,9 +28,10 @@ import pickle
 import types
 from dataclasses import dataclass
 
-from conversion.torch_pickle import STORAGE_CLASSES
-
-# torch dtype names a checkpoint can hold, and the dtype of each legacy storage class torch.save names.
+# torch dtype names a checkpoint can hold, and the legacy storage class torch.save names for each.
+STORAGE_CLASSES = {"float32": "FloatStorage", "float16": "HalfStorage", "bfloat16": "BFloat16Storage",
+                   "float64": "DoubleStorage", "int64": "LongStorage", "int32": "IntStorage", "int16": "ShortStorage",
+                   "int8": "CharStorage", "uint8": "ByteStorage", "bool": "BoolStorage"}
 DTYPE_NAMES = tuple(STORAGE_CLASSES)
 STORAGE_DTYPES = {storage: dtype for dtype, storage in STORAGE_CLASSES.items()}
 
