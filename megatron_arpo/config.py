@@ -452,6 +452,14 @@ def build_config(raw: Mapping[str, Any], source: str | None = None) -> Experimen
     return cfg
 
 
+def with_absolute_paths(cfg: ExperimentConfig) -> ExperimentConfig:
+    """The config with model paths made absolute: Ray workers do not share the driver's working dir."""
+    overrides = [f"{key}={Path(value).resolve()}" for key, value in
+                 (("model.hf_checkpoint", cfg.model.hf_checkpoint), ("model.tokenizer", cfg.model.tokenizer),
+                  ("trainer.run_dir", cfg.trainer.run_dir)) if value]
+    return cfg.with_overrides(overrides)
+
+
 def load_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> ExperimentConfig:
     """Read an experiment YAML (following ``base:``), apply ``a.b=c`` overrides, resolve and validate."""
     raw = _read_yaml(Path(path))

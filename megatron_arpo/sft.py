@@ -74,7 +74,8 @@ def run_sft(cfg, resume: str = "auto") -> dict[str, Any]:
     from megatron_arpo.data.fields import FieldKeys
     from megatron_arpo.data.sft import load_sft_examples
     from megatron_arpo.trainer.checkpointing import ResumeError, is_due, resolve_resume
-    from megatron_arpo.trainer.runtime import record_placement, with_absolute_paths
+    from megatron_arpo.config import with_absolute_paths
+    from megatron_arpo.trainer.runtime import record_placement
     from megatron_arpo.trainer.signals import StopRequest
 
     cfg = with_absolute_paths(cfg)  # the ranks do not share the driver's working directory

@@ -40,6 +40,7 @@ import logging
 from pathlib import Path
 from typing import Any, Optional
 
+from megatron_arpo.config import with_absolute_paths
 from megatron_arpo.errors import InputError
 from megatron_arpo.fsutil import atomic_write
 from megatron_arpo.trainer.state import Runtime
@@ -160,8 +161,6 @@ def export_hf(rt: Runtime) -> Path:
 
 def config_digest(cfg: Any) -> str:
     """sha256 of the resolved config (paths absolute, as the runtime holds it)."""
-    from megatron_arpo.trainer.runtime import with_absolute_paths
-
     return hashlib.sha256(json.dumps(with_absolute_paths(cfg).to_dict(), sort_keys=True, default=str)
                           .encode()).hexdigest()
 

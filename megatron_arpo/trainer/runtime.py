@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Optional
 
 from megatron_arpo.cluster.placement import PlacementPlan, ResourcePools, plan_placement
 from megatron_arpo.cluster.runtime import connect_ray
-from megatron_arpo.config import BUILTIN_REWARDS, ExperimentConfig
+from megatron_arpo.config import BUILTIN_REWARDS, ExperimentConfig, with_absolute_paths
 from megatron_arpo.config_schema import DataSection
 from megatron_arpo.data.chat import ChatFormat, load_chat_format
 from megatron_arpo.data.datasets import DEFAULT_SYSTEM_PROMPT, filter_by_length, load_prompt_files, render_prompt
@@ -99,14 +99,6 @@ def count_steps(cfg: ExperimentConfig, num_prompts: int) -> int:
         raise ConfigError([f"trainer.train_batch_size: {t.train_batch_size} exceeds the {num_prompts} training "
                            f"prompts with data.drop_last; lower it, add data, or set trainer.total_steps"])
     return per_epoch * t.total_epochs
-
-
-def with_absolute_paths(cfg: ExperimentConfig) -> ExperimentConfig:
-    """The config with model paths made absolute: Ray workers do not share the driver's working dir."""
-    overrides = [f"{key}={Path(value).resolve()}" for key, value in
-                 (("model.hf_checkpoint", cfg.model.hf_checkpoint), ("model.tokenizer", cfg.model.tokenizer),
-                  ("trainer.run_dir", cfg.trainer.run_dir)) if value]
-    return cfg.with_overrides(overrides)
 
 
 def _start_engines(rt: Runtime, hf_dir: str, on_gpu: bool) -> None:
