@@ -1,6 +1,8 @@
 """The README's promises: the two commands first, CI calls them, a page a new user reads top to bottom (at most
 15 KB), every docs page reachable from it, and nothing copied between it and a docs page."""
 
+import configparser
+import fnmatch
 import re
 from pathlib import Path
 
@@ -23,6 +25,19 @@ def test_readme_opens_with_the_two_commands():
 def test_ci_runs_make_test():
     script = (ROOT / ".ci" / "run").read_text()
     assert re.search(r"^make test\s*$", script, re.M)
+
+
+def test_make_test_collects_every_test_directory():
+    """pytest skips directories matching ``norecursedirs`` (its default list holds ``dist``): none of ours may."""
+    ini = configparser.ConfigParser()
+    ini.read(ROOT / "pytest.ini")
+    patterns = ini["pytest"].get("norecursedirs", "").split()
+    assert patterns, "pytest.ini must set norecursedirs: pytest's default list skips tests/dist"
+    dirs = {path.parent for path in (ROOT / "tests").rglob("test_*.py")}
+    assert ROOT / "tests" / "dist" in dirs
+    skipped = [str(d.relative_to(ROOT)) for d in dirs for part in d.relative_to(ROOT).parts
+               if any(fnmatch.fnmatch(part, pattern) for pattern in patterns)]
+    assert not skipped, f"make test would not collect {skipped}; change norecursedirs in pytest.ini"
 
 
 def test_readme_is_at_most_15_kb():
