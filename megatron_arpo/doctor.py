@@ -53,7 +53,7 @@ MEGATRON_CORE_VERSION = "0.16.1"
 SHARED_FS_TYPES = {"nfs", "nfs4", "lustre", "gpfs", "beegfs", "cifs", "smb3", "ceph", "fuse.ceph", "glusterfs",
                    "fuse.glusterfs", "wekafs", "fuse.weka", "pvfs2", "orangefs", "fuse.juicefs", "9p", "virtiofs"}
 PASS, WARN, FAIL = "PASS", "WARN", "FAIL"
-GPU_ENV_FIX = "run `make gpu-env` (README: Installing on a GPU cluster)"
+GPU_ENV_FIX = "run `make gpu-env` (docs/install.md)"
 LOCK_DIR = Path(__file__).resolve().parent.parent / "constraints"  # a source checkout's locks (Makefile)
 
 
@@ -181,7 +181,7 @@ def check_vllm(torch_version: str | None) -> list[Check]:
         detail = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
         rows.append(Check("vLLM compiled ops", FAIL, f"vllm._C does not load: {detail}",
                           "vLLM was built for another torch: reinstall the vLLM/torch pair together, or build vLLM "
-                          "from source against this torch (README, container route)"))
+                          "from source against this torch (docs/install.md, Containers)"))
     return rows
 
 
@@ -217,7 +217,7 @@ def check_megatron() -> list[Check]:
         rows.append(Check("Apex (optional)", PASS, f"apex {_version('apex') or 'importable'}"))
     except Exception:
         rows.append(Check("Apex (optional)", WARN, "not installed: Megatron uses torch's fused Adam and norms",
-                          "optional; build from source (README) or use a container that ships it"))
+                          "optional; build from source (docs/install.md, Apex) or use a container that ships it"))
     return rows
 
 
