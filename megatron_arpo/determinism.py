@@ -77,10 +77,6 @@ def deterministic_problems(cfg: Any) -> list[str]:
         problems.append("trainer.deterministic: true with tools.search.backend: web; a live web search answers "
                         "differently on a rerun, so no run can repeat; use backend local or http over a frozen "
                         "index, or set trainer.deterministic: false")
-    if cfg.actor.use_te == "true" and os.environ.get("NVTE_ALLOW_NONDETERMINISTIC_ALGO") not in (None, "0"):
-        problems.append("trainer.deterministic: true but NVTE_ALLOW_NONDETERMINISTIC_ALGO="
-                        f"{os.environ['NVTE_ALLOW_NONDETERMINISTIC_ALGO']} is exported; Transformer Engine would "
-                        "pick a non-deterministic attention backward: unset it (the actor sets 0)")
     if os.environ.get("NCCL_ALGO") and os.environ["NCCL_ALGO"] not in _DETERMINISTIC_NCCL_ALGOS:
         problems.append(f"trainer.deterministic: true but NCCL_ALGO={os.environ['NCCL_ALGO']} is exported; only "
                         "Ring or Tree reduce in a fixed order: unset it or export NCCL_ALGO=Ring")
