@@ -191,6 +191,24 @@ class LocalRayCluster:
                                    f"(exited: {dead}); logs in {self.log_dir}\n{logs}")
             time.sleep(0.3)
 
+    def wait_until_idle(self, timeout: float = 60.0) -> None:
+        """With the driver connected: wait until every CPU of the cluster is free again. Actors of the
+        previous test die asynchronously after its driver disconnects; a placement group made before they
+        are gone lands where they are not (a SPREAD group then packs onto one raylet)."""
+        import ray
+
+        deadline = time.monotonic() + timeout
+        while True:
+            total = ray.cluster_resources().get("CPU", 0.0)
+            free = ray.available_resources().get("CPU", 0.0)
+            if free >= total > 0:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"ray_cluster: only {free:g} of {total:g} CPUs free {timeout:g} s after the "
+                                   f"previous test ended; a test leaked an actor or a placement group "
+                                   f"(logs in {self.log_dir})")
+            time.sleep(0.2)
+
     def own_processes(self) -> list[psutil.Process]:
         """Processes of this cluster: anything whose command line names one of its temp dirs."""
         found = []
@@ -251,6 +269,7 @@ def ray_two_nodes(_ray_two_node_cluster):
              log_to_driver=True)
     try:
         _ray_two_node_cluster.wait_for_nodes()
+        _ray_two_node_cluster.wait_until_idle()
         yield _ray_two_node_cluster
     finally:
         ray.shutdown()
