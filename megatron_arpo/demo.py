@@ -44,6 +44,7 @@ import time
 from pathlib import Path
 from typing import IO, Any, Iterable, Sequence
 
+from megatron_arpo.data.system_prompts import DEFAULT_SYSTEM_PROMPT, resolve_system_prompt
 from megatron_arpo.errors import InputError
 from megatron_arpo.fsutil import atomic_write
 from megatron_arpo.plot import OVERVIEW, plot_run
@@ -55,6 +56,12 @@ logger = logging.getLogger(__name__)
 
 STAGES = ("data", "sft", "before", "train", "after")
 DONE_SUFFIX = ".done.json"
+
+
+def sft_system_prompt(value: str | None) -> str:
+    """The system text of the demo's SFT rows: ``data.system_prompt`` resolved as the RL and evaluation prompts
+    resolve it (a built-in name, the text, or null = ``default``); ``""`` (no system turn) for ``none``."""
+    return resolve_system_prompt(value or DEFAULT_SYSTEM_PROMPT) or ""
 
 
 def _seconds(t: float) -> str:
@@ -173,11 +180,11 @@ class Demo:
         from megatron_arpo.tiny.checkpoint import build_tiny_checkpoint
 
         search = self.cfg.tools.search
-        if self.cfg.data.system_prompt and self.cfg.data.system_prompt != DEMO_SYSTEM_PROMPT:
-            logger.warning("data.system_prompt differs from DEMO_SYSTEM_PROMPT; the SFT rows use the config's")
+        system_prompt = sft_system_prompt(self.cfg.data.system_prompt)
+        if system_prompt != DEMO_SYSTEM_PROMPT:
+            logger.warning("data.system_prompt is not DEMO_SYSTEM_PROMPT; the SFT rows use the config's prompt")
         ensure_demo_tasks(self.data_dir, self.seed or 0, sft_tool_fraction=self.sft_tool_fraction,
-                          topk=search.topk, result_chars=search.result_chars,
-                          system_prompt=self.cfg.data.system_prompt or DEMO_SYSTEM_PROMPT)
+                          topk=search.topk, result_chars=search.result_chars, system_prompt=system_prompt)
         if not (self.init_dir / "config.json").is_file():
             build_tiny_checkpoint(self.cfg.model.config, self.init_dir, seed=self.seed or 0, overwrite=True,
                                   tokenizer=self.tokenizer)
