@@ -196,7 +196,9 @@ class LoggingSection:
 # ----------------------------------------------------------------------------------------- sft, eval
 @dataclass(frozen=True)
 class SFTSection:
-    train_files: list[str] = _f(factory=list, help="ShareGPT-style JSON/JSONL (conversations, system)")
+    train_files: list[str] = _f(factory=list, help="JSON/JSONL/parquet: conversation rows (ShareGPT / messages), "
+                                                   "or prompt rows (question/answer, alpaca, ARPO parquet; "
+                                                   "data.prompt_key / answer_key) trained on prompt -> answer")
     max_seq_tokens: int = _f(4096, ge=1, help="longer conversations are truncated")
     epochs: int = _f(3, ge=1)
     global_batch_size: int = _f(16, ge=1, help="conversations per optimizer step")
