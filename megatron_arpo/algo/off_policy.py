@@ -21,10 +21,16 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["NOT_SAMPLED", "behaviour_weights", "sequence_weights", "weight_stats"]
+from megatron_arpo.rollout.trajectory import NOT_SAMPLED
 
-NOT_SAMPLED = -1  # token version of tokens the policy did not sample
+__all__ = ["behaviour_weights", "sequence_weights", "token_lags", "weight_stats"]
+
 _LOG_WEIGHT_CLAMP = 20.0
+
+
+def token_lags(versions: Sequence[int], current: int) -> list[int]:
+    """Per token, how many versions before ``current`` it was sampled (0 for tokens not sampled)."""
+    return [0 if v == NOT_SAMPLED else current - v for v in versions]
 
 
 def behaviour_weights(prox_logp: torch.Tensor, behav_logp: torch.Tensor, lag: torch.Tensor,

@@ -133,6 +133,7 @@ def restore_driver_state(rt: Runtime, state: dict[str, Any]) -> None:
         raise ResumeError(f"checkpoint {rt.resume_from} has no sampler state (was it written by `megatron-arpo "
                           f"sft`?); resume RL only from RL checkpoints, or start fresh from its HF export")
     rt.step = int(state["step"])
+    rt.policy_version = rt.step  # one update per step
     rt.last_saved_step = rt.step
     rt.sampler.load_state_dict(state["sampler"])
     saved_seed = (state.get("rollout") or {}).get("seed")

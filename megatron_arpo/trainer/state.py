@@ -92,6 +92,7 @@ class Runtime:
     sampler: Optional[EpochSampler] = None
     total_steps: int = 0
     step: int = 0
+    policy_version: int = 0           # updates the actor's weights have had (the engines get it with each sync)
     last_saved_step: Optional[int] = None
     resume_from: Optional[Path] = None
     conn: Optional[RayConnection] = None
