@@ -110,6 +110,7 @@ class Runtime:
     metrics_logger: Optional[MetricsLogger] = None
     phases: Optional[PhaseState] = None   # colocated sleep/offload
     replay: Optional[ReplaySource] = None  # when replaying recorded rollouts
+    off_policy: Optional[Any] = None      # trainer.mode: off_policy (megatron_arpo.trainer.off_policy.OffPolicyLoop)
     closed: bool = False
 
     @property
