@@ -195,7 +195,12 @@ class OffPolicyLoop:
             **{f"offpolicy/{k}": v for k, v in weight_stats.items() if k != "lagged_tokens"},
         }
         trained_version = self.rt.policy_version - 1  # the update has run: the batch trained this version
-        group_lags = Counter(trained_version - v for v in (t.oldest_version() for t in trajectories) if v is not None)
+        oldest: dict[int, int] = {}  # per group (prompt_index), its oldest sampled token's version
+        for t in trajectories:
+            v = t.oldest_version()
+            if v is not None:
+                oldest[t.prompt_index] = min(v, oldest.get(t.prompt_index, v))
+        group_lags = Counter(trained_version - v for v in oldest.values())
         for lag, count in sorted(group_lags.items()):
             out[f"offpolicy/staleness/{lag}"] = float(count)
         token_lags_count = Counter(lag for row, t in zip(self.lags, trajectories)

@@ -105,7 +105,7 @@ def test_max_staleness_0_generates_each_batch_after_the_previous_sync(tmp_path):
     for s, o in enumerate(out, 1):
         assert {t.oldest_version() for t in o["trajs"]} == {s - 1}
         assert "behav_weights" not in o["batch"]  # sync's batch
-        assert o["row"]["offpolicy/staleness/0"] == 4.0 and o["row"]["offpolicy/token_share/0"] == 1.0
+        assert o["row"]["offpolicy/staleness/0"] == BATCH and o["row"]["offpolicy/token_share/0"] == 1.0
         assert [t.prompt_index for t in o["trajs"]] == [0, 0, 1, 1]
     assert [o["indices"] for o in out] == [[0, 1], [2, 3], [4, 5]]  # the sampler's order, as in sync mode
 
@@ -125,7 +125,7 @@ def test_max_staleness_1_generates_the_next_batch_during_the_update(tmp_path):
         for j, v in enumerate(t.token_versions):
             expected = pytest.approx(0.7788, abs=1e-4) if v != NOT_SAMPLED else 1.0
             assert w[p + j] == expected
-    assert lagged["row"]["offpolicy/staleness/1"] == 4.0 and lagged["row"]["offpolicy/token_share/1"] == 1.0
+    assert lagged["row"]["offpolicy/staleness/1"] == BATCH and lagged["row"]["offpolicy/token_share/1"] == 1.0
     assert lagged["row"]["offpolicy/is_weight_mean"] == pytest.approx(0.7788, abs=1e-4)
     # the last step generates nothing beyond the run (batch 4 would be step 4 of 3)
     rt.actor.wait_for_call = False
