@@ -53,7 +53,7 @@ def train(cfg, resume: str = "auto", replay_dir: str | None = None) -> int:
             with progress(f"step {step}/{rt.total_steps}", None, cfg.logging.progress_bars) as bar:
                 timer = metrics.PhaseTimer(bar)
                 sampler_before = rt.sampler.state_dict()
-                offp = getattr(rt, "off_policy", None)  # trainer.mode: off_policy (trainer/off_policy.py): batches from the buffer
+                offp = getattr(rt, "off_policy", None)  # trainer.mode: off_policy: batches from the buffer
                 tools_before = steps.tool_stats(rt)
                 try:  # until the update starts a stop abandons the step (signals.py: safe points)
                     with timer("rollout"):
@@ -77,7 +77,8 @@ def train(cfg, resume: str = "auto", replay_dir: str | None = None) -> int:
                     logger.warning("%s; the checkpoint is step %d's state", exc, rt.step)
                     break
                 with timer("update"):  # off-policy: the engines generate the next batches meanwhile
-                    update = offp.update_while_generating(batch, lambda: stop.requested) if offp else steps.update(rt, batch)
+                    update = (offp.update_while_generating(batch, lambda: stop.requested) if offp
+                              else steps.update(rt, batch))
                 rt.phases.weights_stale = True
                 sync, val = {}, {}
                 if not stop.requested:  # stopping: the engines restart from the checkpoint anyway

@@ -669,8 +669,8 @@ class _Run:
         out = await self._request(pr, root_live, 0, max(1, min(self.o.initial_entropy_tokens, self._budget(root)[0])),
                                   self.o.entropy_window)
         h_root = self._entropy(out.top_logprobs)
-        tool_traj = dataclasses.replace(root, traj_id=f"{probe_id}-tool", response_ids=[], response_logprobs=[], token_versions=[],
-                                        loss_mask=[], segments=[], tool_calls=[], decisions=[])
+        tool_traj = dataclasses.replace(root, traj_id=f"{probe_id}-tool", response_ids=[], response_logprobs=[],
+                                        token_versions=[], loss_mask=[], segments=[], tool_calls=[], decisions=[])
         tool_live = _Live(tool_traj, pr.rng.spawn(tool_traj.traj_id), counted=False)
         await self._run_loop(pr, tool_live)
         h_tool = [s.entropy for s in tool_traj.segments]

@@ -4,26 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 
-import pytest
-
-from megatron_arpo.config import ConfigError, build_config, off_policy_problems
+from megatron_arpo.config import build_config, off_policy_problems
 from megatron_arpo.preflight import find_problems
+from test_config import errors_of, minimal
 
 SEPARATE = {"placement": "separate", "actor_devices": 1, "rollout_devices": 1}
-
-
-def minimal(**sections) -> dict:
-    raw = {"model": {"config": "tiny-qwen3"}, "rollout": {"response_length": 512},
-           "data": {"max_prompt_tokens": 256}, "tools": {"search": {"enabled": False}}, "launcher": {"gpus_per_node": 0}}
-    for key, value in sections.items():
-        raw[key] = {**raw.get(key, {}), **value}
-    return raw
-
-
-def errors_of(raw: dict) -> str:
-    with pytest.raises(ConfigError) as info:
-        build_config(raw)
-    return str(info.value)
 
 
 def test_defaults_are_sync_and_the_buffer_is_derived_from_the_batch():
