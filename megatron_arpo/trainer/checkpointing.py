@@ -155,6 +155,9 @@ def restore_driver_state(rt: Runtime, state: dict[str, Any]) -> None:
                            "cache only", rt.resume_from)
     if getattr(rt, "off_policy", None) is not None:
         rt.off_policy.restore(Path(rt.resume_from), state.get("off_policy"))
+    elif state.get("off_policy"):
+        logger.warning("checkpoint %s holds an off-policy rollout buffer; trainer.mode: sync does not use it, so the "
+                       "prompts of its groups are skipped this epoch", rt.resume_from)
     logger.info("resumed at step %d of %d (epoch %d, position %d)", rt.step, rt.total_steps, rt.sampler.epoch,
                 rt.sampler.position)
 
