@@ -487,6 +487,8 @@ def _resolve_defaults(cfg: ExperimentConfig) -> ExperimentConfig:
         rollout = rep(rollout, max_model_len=cfg.data.max_prompt_tokens + rollout.response_length)
     if trainer.run_dir is None:
         trainer = rep(trainer, run_dir=f"runs/{cfg.name}")
+    if rollout.buffer_groups is None:
+        rollout = rep(rollout, buffer_groups=(rollout.max_staleness + 1) * trainer.train_batch_size)
     # tools.cache.path stays null here: "node-local" is decided on the node that runs the trainer
     # (megatron_arpo.trainer.checkpointing.tool_cache_path), not where the config is resolved.
     return rep(cfg, actor=actor, rollout=rollout, trainer=trainer)
@@ -524,6 +526,8 @@ def validate(cfg: ExperimentConfig) -> list[str]:
                 errors.append(f"{key}: true frees GPU memory for the other side of a colocated GPU, but "
                               f"trainer.placement is 'separate' (actor and engines own their GPUs); set {key}: "
                               f"false, or trainer.placement: colocated")
+
+    errors += off_policy_problems(cfg)
 
     # Sequence budgets.
     seq = cfg.max_sequence_tokens
@@ -608,6 +612,27 @@ def validate(cfg: ExperimentConfig) -> list[str]:
         if is_secret_key(name):
             errors.append(f"launcher.env.{name}: secrets must not be written in config files; export {name} "
                           f"in the submitting shell instead")
+    return errors
+
+
+def off_policy_problems(cfg: ExperimentConfig) -> list[str]:
+    """``trainer.mode: off_policy`` against the placement and the buffer (also run by preflight)."""
+    t, r = cfg.trainer, cfg.rollout
+    errors = []
+    if r.max_staleness < 0:
+        errors.append(f"rollout.max_staleness: {r.max_staleness} is below 0; allowed: 0 (on-policy) or more "
+                      f"policy versions")
+    if t.mode != "off_policy":
+        return errors
+    if t.placement == "colocated":
+        errors.append("trainer.mode: off_policy needs trainer.placement: separate; colocated engines and actor "
+                      "ranks share the GPUs and take turns on them, so generation and training cannot overlap. Set "
+                      "trainer.placement: separate (with trainer.actor_devices and trainer.rollout_devices), or "
+                      "trainer.mode: sync")
+    if r.buffer_groups is not None and r.buffer_groups < t.train_batch_size:
+        errors.append(f"rollout.buffer_groups: {r.buffer_groups} cannot hold one batch of "
+                      f"trainer.train_batch_size = {t.train_batch_size} prompt groups; set it >= "
+                      f"{t.train_batch_size} or null (= (max_staleness + 1) x train_batch_size)")
     return errors
 
 

@@ -104,6 +104,7 @@ class AlgorithmSection:
     entropy_advantage_alpha: float = _f(0.2, ge=0)
     kl: KLSection = _f(factory=KLSection)
     use_reference: bool = _f(False, help="compute reference-policy log-probs (needed for kl.coef > 0)")
+    behaviour_weight_cap: float = _f(2.0, gt=1, help="trainer.mode: off_policy: decoupled PPO's importance weight pi_prox/pi_behav is truncated at this value (megatron_arpo/algo/off_policy.py)")
 
 
 # --------------------------------------------------------------------------------------------- tools
@@ -161,6 +162,7 @@ class TrainerSection:
     val_before_train: bool = _f(False)
     resume: str = _f("auto", help="auto | none | PATH of a checkpoint")
     placement: Literal["colocated", "separate"] = _f("colocated")
+    mode: Literal["sync", "off_policy"] = _f("sync", help="sync: rollout, then update, then sync, in turn; off_policy (needs placement: separate): the engines generate the next batches into a buffer while the actor trains, at most rollout.max_staleness policy versions behind (docs/off_policy.md)")
     actor_devices: Optional[int] = _f(None, ge=1, help="separate: devices for actor ranks; null = all (colocated)")
     rollout_devices: Optional[int] = _f(None, ge=1, help="separate: devices for engines")
     export_hf_on_save: bool = _f(False)

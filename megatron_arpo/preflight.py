@@ -2,6 +2,7 @@
 
 ``find_problems(cfg, command)`` collects every problem at once, each one line naming the key and the fix:
 
+- ``trainer.mode: off_policy`` against the placement and the rollout buffer (``config.off_policy_problems``);
 - paths: the files and directories ``command`` reads exist (``megatron_arpo.config.validate_paths``);
 - the checkpoint: ``model.hf_checkpoint``'s ``config.json`` agrees with ``model.config`` on every
   architecture field (all disagreeing fields named, with both values), and the tokenizer loads with a
@@ -25,7 +26,7 @@ import logging
 from pathlib import Path
 from typing import Any, Literal, Mapping, Optional
 
-from megatron_arpo.config import BUILTIN_REWARDS, ConfigError, resolved_model, validate_paths
+from megatron_arpo.config import BUILTIN_REWARDS, ConfigError, off_policy_problems, resolved_model, validate_paths
 from megatron_arpo.data.chat import ChatFormatError, load_chat_format
 from megatron_arpo.data.datasets import DEFAULT_SYSTEM_PROMPT, load_prompt_files
 from megatron_arpo.data.fields import FieldKeys
@@ -237,6 +238,8 @@ def find_problems(cfg: Any, command: Optional[Command], *, data: bool = True, pr
                   tools: bool = True) -> list[str]:
     """Every problem ``command`` would stop on, one line each (``command`` None: the model and tools only)."""
     problems: list[str] = []
+    if command == "train":  # a config built around validate (dataclasses.replace) still gets these refusals
+        problems.extend(off_policy_problems(cfg))
     try:
         validate_paths(cfg, for_command=command or "sft")
     except ConfigError as exc:

@@ -5,7 +5,9 @@ reference) log-probs -> PPO update -> weight sync (with colocated sleep/offload,
 ``megatron_arpo.trainer.phases`` around the log-probs, update and sync) -> validation (every ``trainer.val_every``) ->
 log (``metrics.jsonl`` row, rollout records) -> checkpoint (every ``trainer.save_every``, and at the end):
 the log is durable before the checkpoint that covers it is published. The components and the phase functions
-live in ``megatron_arpo.trainer``; this file is the loop. A stop request (preemption) is served at the
+live in ``megatron_arpo.trainer``; this file is the loop. With ``trainer.mode: off_policy`` the rollout is a
+batch from the rollout buffer and the engines generate the next ones during the update
+(``megatron_arpo.trainer.off_policy``). A stop request (preemption) is served at the
 next safe point inside the step (``megatron_arpo.trainer.signals``). ``--replay-rollouts DIR`` trains on the
 rollout records a run saved (``logging.save_rollout_records``) instead, without engines or tools
 (``megatron_arpo.trainer.replay``).
@@ -26,7 +28,7 @@ from pathlib import Path
 from typing import Sequence
 
 from megatron_arpo.progress import Progress
-from megatron_arpo.trainer import checkpointing, metrics, phases, steps
+from megatron_arpo.trainer import checkpointing, metrics, off_policy, phases, steps
 from megatron_arpo.trainer.signals import LeadTimeAdvisor, StepAborted, StopRequest
 from megatron_arpo.command_args import PROG, add_config_arguments, config_from_args
 
@@ -51,11 +53,15 @@ def train(cfg, resume: str = "auto", replay_dir: str | None = None) -> int:
             with progress(f"step {step}/{rt.total_steps}", None, cfg.logging.progress_bars) as bar:
                 timer = metrics.PhaseTimer(bar)
                 sampler_before = rt.sampler.state_dict()
-                prompts, indices = steps.next_prompts(rt)
+                offp = getattr(rt, "off_policy", None)  # trainer.mode: off_policy: batches from the buffer
                 tools_before = steps.tool_stats(rt)
                 try:  # until the update starts a stop abandons the step (signals.py: safe points)
                     with timer("rollout"):
-                        prompts, result = steps.rollout(rt, prompts, step, cancel_when=lambda: stop.requested)
+                        if offp is None:
+                            prompts, indices = steps.next_prompts(rt)
+                            prompts, result = steps.rollout(rt, prompts, step, cancel_when=lambda: stop.requested)
+                        else:
+                            prompts, indices, result = offp.take_batch(step, cancel_when=lambda: stop.requested)
                     tools_after = steps.tool_stats(rt)
                     with timer("reward"):
                         sources = steps.score(rt, result, prompts, rt.train, indices)
@@ -63,14 +69,16 @@ def train(cfg, resume: str = "auto", replay_dir: str | None = None) -> int:
                         batch = steps.make_train_batch(rt, result)
                     phase = phases.switch_phase(rt, "train")  # colocated: the engines sleep, the actor onloads
                     logprob_info = steps.add_log_probs(rt, batch, timer)
+                    weights = offp.add_behaviour_weights(batch, result.trajectories()) if offp else {}
                     if stop.requested:
                         raise StepAborted(f"step {step} abandoned before its update")
                 except StepAborted as exc:
-                    rt.sampler.load_state_dict(sampler_before)  # the resumed run redoes this step
+                    off_policy.abandon_step(rt, sampler_before)  # the resumed run redoes this step
                     logger.warning("%s; the checkpoint is step %d's state", exc, rt.step)
                     break
-                with timer("update"):
-                    update = steps.update(rt, batch)
+                with timer("update"):  # off-policy: the engines generate the next batches meanwhile
+                    update = (offp.update_while_generating(batch, lambda: stop.requested) if offp
+                              else steps.update(rt, batch))
                 rt.phases.weights_stale = True
                 sync, val = {}, {}
                 if not stop.requested:  # stopping: the engines restart from the checkpoint anyway
@@ -82,11 +90,12 @@ def train(cfg, resume: str = "auto", replay_dir: str | None = None) -> int:
                 rt.step = step
                 trajs = result.trajectories()
                 row = {**metrics.reward_metrics(trajs, sources),
-                       **metrics.rollout_metrics(result, timer.seconds["rollout"]),
+                       **metrics.rollout_metrics(result, offp.busy_s if offp else timer.seconds["rollout"]),
                        **metrics.tool_metrics(trajs, result.stats, tools_before, tools_after, steps.tool_tags(rt, trajs)),
                        **metrics.token_statistics(batch, trajs, cfg.rollout.entropy_window),
                        **metrics.actor_metrics(update, logprob_info["padding_fraction"]),
                        **steps.signal_metrics(rt, batch, step),
+                       **(offp.metrics(trajs, weights) if offp else {}),
                        **phase, **sync, **val, **timer.metrics(), **lead.observe(timer.seconds),
                        **metrics.data_metrics([p.prompt_id.split(":", 1)[1] for p in prompts], rt.sampler.state_dict())}
                 # The step's row and records are durable before the checkpoint that covers them is published: a

@@ -126,7 +126,8 @@ def ppo_loss(settings: AlgorithmSection, vocab: VocabInfo, normalizer: float, en
     loss, metrics = losses.policy_loss(
         logp, x["old_logprobs"], adv, weight, clip_low=settings.clip_low, clip_high=settings.clip_high,
         dual_clip=settings.dual_clip, aggregation="token-mean",
-        entropy_balanced_clip=settings.entropy_balanced_clip, normalizer=normalizer)
+        entropy_balanced_clip=settings.entropy_balanced_clip, normalizer=normalizer,
+        token_weights=x.get("behav_weights"))  # off-policy mode only (megatron_arpo/algo/off_policy.py)
     weight_sum = metrics["num_tokens"]
     sums = {"pg_loss": loss.detach() * normalizer, "weight": weight_sum, "tokens": mask.sum()}
     for key in ("clip_frac", "low_clip_frac", "high_clip_frac", "dual_clip_frac", "approx_kl"):

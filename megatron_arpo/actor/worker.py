@@ -28,7 +28,8 @@ Batches are plain data, one shard per DP rank (:func:`megatron_arpo.actor.packin
 all ranks of one DP replica (its TP x PP ranks) must receive the same shard. Keys, one entry per sequence:
 ``input_ids`` (token-id lists), ``loss_mask`` (token-aligned 0/1; 1 = trained), ``advantages`` (a float
 or token-aligned values), ``old_logprobs`` and, when ``algorithm.kl.coef > 0``, ``ref_logprobs``
-(token-aligned, as ``compute_log_probs`` returns them), optionally ``group_ids`` (PPO mini-batches hold
+(token-aligned, as ``compute_log_probs`` returns them), in off-policy mode ``behav_weights`` (token-aligned
+factors on each token's loss, ``megatron_arpo.algo.off_policy``), optionally ``group_ids`` (PPO mini-batches hold
 ``actor.mini_batch_size`` groups) or the ``mini_batch``/``num_mini_batches`` entries the split adds.
 
 Only rank-local state lives here; collectives are inside the methods, so every rank of the group must
@@ -333,6 +334,8 @@ class MegatronActorWorker:
                           "old_logprobs": [batch["old_logprobs"][i] for i in idx]}
                 if s.kl.coef > 0:
                     extras["ref_logprobs"] = [batch["ref_logprobs"][i] for i in idx]
+                if "behav_weights" in batch:  # trainer.mode: off_policy (megatron_arpo/algo/off_policy.py)
+                    extras["behav_weights"] = [batch["behav_weights"][i] for i in idx]
                 plans = self._plan([len(x) for x in sub], self.actor.micro_batch_tokens)
                 padding.append((sum(p.num_slots for p in plans), sum(p.num_tokens for p in plans)))
                 mbs = self._micro_batches(plans, sub, extras)

@@ -26,6 +26,8 @@ Differences from the reference:
   token entropy when ``entropy_coeff != 0``, which made part (a) dead code, Q2), and their statistics can
   be supplied by the caller (``stats``) so they need not be per micro-batch. A single valid token gets
   std 1 (the reference would produce NaN from a one-element unbiased std).
+* ``token_weights`` (off-policy mode only) scale each token's loss: decoupled PPO's behaviour weight
+  (``megatron_arpo.algo.off_policy``). Without them the loss is the reference's.
 * Metrics: the reference's ``pg_clipfrac_lower`` is our ``dual_clip_frac``; ``low_clip_frac`` (A < 0 and
   r below the lower bound) and ``high_clip_frac`` are extra.
 """
@@ -121,6 +123,7 @@ def policy_loss(
     aggregation: str = "token-mean",
     entropy_balanced_clip: bool = False,
     normalizer: float | torch.Tensor | None = None,
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate with dual clip (ARPO), optionally AEPO's gradient-preserving upper clip.
 
@@ -134,6 +137,8 @@ def policy_loss(
         aggregation: one of ``AGGREGATIONS`` (see ``aggregate_loss``).
         entropy_balanced_clip: AEPO's gradient-preserving upper clip.
         normalizer: optional global denominator for exact accumulation, see ``aggregate_loss``.
+        token_weights: optional ``[batch, seq]`` no-grad factors on each token's loss (off-policy mode:
+            the behaviour importance weights of ``megatron_arpo.algo.off_policy``); None leaves the loss as is.
 
     Returns:
         ``(loss, metrics)``. ``metrics`` holds detached 0-dim tensors (token means over valid tokens of
@@ -173,6 +178,9 @@ def policy_loss(
     else:
         token_loss = loss_clip
         dual_bind = torch.zeros_like(negative)
+    if token_weights is not None:
+        _check_same_shape(logp=logp, token_weights=token_weights)
+        token_loss = token_loss * token_weights.detach().to(token_loss.dtype)
 
     loss = aggregate_loss(token_loss, loss_mask, aggregation, normalizer)
 

@@ -55,5 +55,7 @@ class RolloutSection:
     sync_transport: Literal["auto", "gloo", "nccl", "ipc"] = setting(
         "auto", help="weight-sync transport (actor ranks -> engines): auto = gloo on CPU, ipc colocated, nccl "
                      "for separate GPU pools")
+    max_staleness: int = setting(1, ge=0, help="trainer.mode: off_policy: a trained token was sampled at most this many policy versions (updates) before the update that trains it; older groups are dropped and counted (0 = on-policy, no overlap)")
+    buffer_groups: Optional[int] = setting(None, ge=1, help="trainer.mode: off_policy: prompt groups (whole trees) the rollout buffer holds; null = (max_staleness + 1) x trainer.train_batch_size; at least one batch")
     enable_sleep_mode: bool = setting(False, help="colocated: vLLM sleeps while the actor trains (CUDA; on CPU the same phase switch runs and frees nothing)")
     sleep_level: int = setting(2, ge=1, le=2, help="1: weights kept in host memory while asleep; 2: dropped (the sync after every update re-sends them)")

@@ -24,6 +24,9 @@ class EngineHandle:
     def __init__(self, target: Any, index: int):
         self.target = target
         self.index = index
+        # Policy version of the weights the engine holds (the trainer sets it after each sync); the token
+        # version of an engine output that does not carry its own (SegmentOutput.token_versions).
+        self.version = 0
         generate = getattr(target, "generate", None)
         self.is_actor = generate is not None and hasattr(generate, "remote")
 
@@ -47,6 +50,11 @@ class RolloutGroup:
 
     def __len__(self) -> int:
         return len(self.engines)
+
+    def set_version(self, version: int) -> None:
+        """Every engine now holds the weights of policy ``version`` (after a weight sync)."""
+        for engine in self.engines:
+            engine.version = version
 
     def assign(self, prompt_key: Any) -> EngineHandle:
         if prompt_key in self._assigned:

@@ -454,7 +454,9 @@ class _Run:
         if len(out.token_ids) > max_tokens:
             raise RuntimeError(f"engine {pr.engine.index} returned {len(out.token_ids)} tokens for {request_id} "
                                f"with max_tokens={max_tokens}")
-        t.append(out.token_ids, out.logprobs, 1)
+        # Each token's policy version: the engine's report where it gives one (a weight update in flight can
+        # change it mid-request), else the version of the weights it holds.
+        t.append(out.token_ids, out.logprobs, 1, getattr(out, "token_versions", None) or pr.engine.version)
         if live.counted:
             self.stats["engine_requests"] += 1
             self.stats["engine_prompt_tokens"] += out.num_prompt_tokens
@@ -668,7 +670,7 @@ class _Run:
                                   self.o.entropy_window)
         h_root = self._entropy(out.top_logprobs)
         tool_traj = dataclasses.replace(root, traj_id=f"{probe_id}-tool", response_ids=[], response_logprobs=[],
-                                        loss_mask=[], segments=[], tool_calls=[], decisions=[])
+                                        token_versions=[], loss_mask=[], segments=[], tool_calls=[], decisions=[])
         tool_live = _Live(tool_traj, pr.rng.spawn(tool_traj.traj_id), counted=False)
         await self._run_loop(pr, tool_live)
         h_tool = [s.entropy for s in tool_traj.segments]

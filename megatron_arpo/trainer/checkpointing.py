@@ -11,6 +11,8 @@ model and optimizer, per-rank RNG, LR schedule; see ``megatron_arpo.actor.checkp
   resumed step ``k`` draws what an uninterrupted one would have;
 - ``tool_cache``: a consistent snapshot of the tool cache (``step-N/tool_cache.sqlite``), merged into
   the live cache on resume (a lost or node-local cache file comes back);
+- ``off_policy`` (``trainer.mode: off_policy``): the next batch number and ``step-N/rollout_buffer.json``,
+  the buffer's finished groups (``megatron_arpo.trainer.off_policy``), written after the tool cache;
 - ``total_steps`` and ``metrics_step`` for reference (``metrics.jsonl`` is cut back to ``step`` on resume).
 
 The snapshot is written right after the actor's save has made ``step-N`` complete; a run killed in
@@ -107,7 +109,8 @@ def tool_cache_path(cfg: Any) -> Optional[str]:
 def driver_state(rt: Runtime) -> dict[str, Any]:
     return {"step": rt.step, "total_steps": rt.total_steps, "metrics_step": rt.step,
             "sampler": rt.sampler.state_dict(), "rollout": {"seed": rt.cfg.rollout.seed, "call_key": "train-<step>"},
-            "tool_cache": TOOL_CACHE_SNAPSHOT if _cache(rt) is not None else None}
+            "tool_cache": TOOL_CACHE_SNAPSHOT if _cache(rt) is not None else None,
+            "off_policy": rt.off_policy.state() if getattr(rt, "off_policy", None) is not None else None}
 
 
 def _cache(rt: Runtime) -> Any:
@@ -122,6 +125,8 @@ def save_checkpoint(rt: Runtime) -> Path:
     cache = _cache(rt)
     if cache is not None:
         cache.export(str(path / TOOL_CACHE_SNAPSHOT))
+    if getattr(rt, "off_policy", None) is not None:
+        rt.off_policy.save(path)  # the buffer's finished groups (nothing is in flight between steps)
     rt.last_saved_step = rt.step
     logger.info("checkpoint %s saved", path)
     return path
@@ -133,6 +138,7 @@ def restore_driver_state(rt: Runtime, state: dict[str, Any]) -> None:
         raise ResumeError(f"checkpoint {rt.resume_from} has no sampler state (was it written by `megatron-arpo "
                           f"sft`?); resume RL only from RL checkpoints, or start fresh from its HF export")
     rt.step = int(state["step"])
+    rt.policy_version = rt.step  # one update per step
     rt.last_saved_step = rt.step
     rt.sampler.load_state_dict(state["sampler"])
     saved_seed = (state.get("rollout") or {}).get("seed")
@@ -147,6 +153,11 @@ def restore_driver_state(rt: Runtime, state: dict[str, Any]) -> None:
         else:
             logger.warning("checkpoint %s lists a tool cache snapshot that is missing; continuing with the live "
                            "cache only", rt.resume_from)
+    if getattr(rt, "off_policy", None) is not None:
+        rt.off_policy.restore(Path(rt.resume_from), state.get("off_policy"))
+    elif state.get("off_policy"):
+        logger.warning("checkpoint %s holds an off-policy rollout buffer; trainer.mode: sync does not use it, so the "
+                       "prompts of its groups are skipped this epoch", rt.resume_from)
     logger.info("resumed at step %d of %d (epoch %d, position %d)", rt.step, rt.total_steps, rt.sampler.epoch,
                 rt.sampler.position)
 

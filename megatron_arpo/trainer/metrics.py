@@ -52,7 +52,8 @@ ACCURACY_THRESHOLD = 1.0
 MODEL_PHASES = ("rollout", "logprob", "ref_logprob", "update", "validate")
 
 # Every key of a metrics.jsonl row; <source> stands for a data source, <tool> for a tool tag, <phase> for a
-# step phase (PhaseTimer) and <switch> for a colocated phase switch (trainer/phases.py).
+# step phase (PhaseTimer), <switch> for a colocated phase switch (trainer/phases.py) and <lag> for a policy
+# version lag (off-policy mode).
 _SUMMARY = ("mean", "std", "accuracy", "format_error_frac")
 _VAL = ("reward", "accuracy", "format_error_frac")
 METRIC_KEYS: tuple[str, ...] = (
@@ -78,6 +79,10 @@ METRIC_KEYS: tuple[str, ...] = (
     "preempt/needed_lead_s",
     "data/epoch", "data/position", "data/prompt_uids",
     "train/zero_signal", "train/zero_signal_steps",
+    *(f"offpolicy/{k}" for k in (  # trainer.mode: off_policy (trainer/off_policy.py); <lag>: a version lag
+        "policy_version", "buffer_depth", "dropped_stale", "dropped_stale_total", "dropped_in_flight_total",
+        "staleness/<lag>", "token_share/<lag>", "is_weight_mean", "is_weight_max", "is_weight_clipped_frac",
+        "engine_idle_s", "engine_idle_frac", "actor_idle_s", "actor_idle_frac")),
 )
 
 

@@ -21,7 +21,7 @@ config key to fix, and everything already started is stopped again on failure):
    ``algorithm.use_reference`` is on, a frozen reference group on the same bundles as the policy. The
    order is in ``Runtime.phases.events``;
 5. the rollout group and scheduler, the weight-sync transport, the metrics logger;
-6. on resume: sampler, step and tool cache restored; the first switch to the rollout phase wakes the
+6. on resume: sampler, step, tool cache and (``trainer.mode: off_policy``) the rollout buffer restored; the first switch to the rollout phase wakes the
    engines and loads them with the actor's weights (resumed, or dropped by a level-2 sleep).
 
 With ``replay_dir`` (``train --replay-rollouts DIR``, ``megatron_arpo.trainer.replay``) the tools, the
@@ -51,7 +51,7 @@ from megatron_arpo.config_schema import DataSection
 from megatron_arpo.data.chat import ChatFormat, load_chat_format
 from megatron_arpo.data.datasets import DEFAULT_SYSTEM_PROMPT, filter_by_length, load_prompt_files, render_prompt
 from megatron_arpo.data.sampler import EpochSampler
-from megatron_arpo.errors import ConfigError
+from megatron_arpo.errors import ConfigError, InputError
 from megatron_arpo.fsutil import atomic_write
 from megatron_arpo.rewards import get_reward_fn
 from megatron_arpo.rollout.group import RolloutGroup
@@ -59,6 +59,7 @@ from megatron_arpo.tools.base import ToolError, TransportError
 from megatron_arpo.tools.registry import build_tools
 from megatron_arpo.tracking import MetricsLogger
 from megatron_arpo.trainer import checkpointing
+from megatron_arpo.trainer.off_policy import start_off_policy
 from megatron_arpo.trainer.phases import sleep_engines, switch_phase
 from megatron_arpo.trainer.replay import ReplaySource
 from megatron_arpo.trainer.state import PhaseState, PromptSet, Runtime
@@ -194,6 +195,8 @@ def start_runtime(cfg: ExperimentConfig, resume: str, replay_dir: Optional[str] 
     cfg = with_absolute_paths(cfg)
     rt = Runtime(cfg=cfg, run_dir=cfg.run_dir)
     if replay_dir is not None:
+        if cfg.trainer.mode == "off_policy":
+            raise InputError("train --replay-rollouts trains the recorded steps in sync mode; set trainer.mode: sync")
         rt.replay = ReplaySource.open(replay_dir)  # a bad DIR fails before anything starts
     try:
         rt.run_dir.mkdir(parents=True, exist_ok=True)
@@ -239,6 +242,7 @@ def start_runtime(cfg: ExperimentConfig, resume: str, replay_dir: Optional[str] 
         if rt.replay is None:
             rt.group = RolloutGroup(rt.engines)
             rt.scheduler = RolloutScheduler(rt.group, rt.tools, rt.protocol, rt.options)
+        rt.off_policy = start_off_policy(rt)  # trainer.mode: off_policy: the rollout buffer, restored below
 
         if rt.resume_from is not None:
             checkpointing.restore_driver_state(rt, rt.actor.init_state or {})

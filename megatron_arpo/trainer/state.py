@@ -92,6 +92,7 @@ class Runtime:
     sampler: Optional[EpochSampler] = None
     total_steps: int = 0
     step: int = 0
+    policy_version: int = 0           # updates the actor's weights have had (the engines get it with each sync)
     last_saved_step: Optional[int] = None
     resume_from: Optional[Path] = None
     conn: Optional[RayConnection] = None
@@ -109,6 +110,7 @@ class Runtime:
     metrics_logger: Optional[MetricsLogger] = None
     phases: Optional[PhaseState] = None   # colocated sleep/offload
     replay: Optional[ReplaySource] = None  # when replaying recorded rollouts
+    off_policy: Optional[Any] = None      # trainer.mode: off_policy (megatron_arpo.trainer.off_policy.OffPolicyLoop)
     closed: bool = False
 
     @property

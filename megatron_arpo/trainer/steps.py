@@ -15,10 +15,12 @@
   ``signal_metrics`` warns about a step whose every group has zero advantage, with a running count.
 - ``add_log_probs``: old log-probs (and per-token entropy, for metrics) from the policy group; reference
   log-probs from the reference group when ``algorithm.use_reference`` is on.
+- ``update``: the PPO update; counts ``rt.policy_version``.
 - ``sync_weights``: the actor ranks stream their weights into every engine (``ActorGroup.sync_weights``:
   each pipeline stage's sender its own layers, no weight byte through the driver), prefix caches
   dropped; bounded by ``trainer.timeouts.sync_s``. With tied embeddings ``lm_head.weight`` is sent as
-  well (``megatron_arpo.actor.sync_sender``).
+  well (``megatron_arpo.actor.sync_sender``). The engines then hold ``rt.policy_version``, the version
+  their tokens record (``Trajectory.token_versions``).
 - ``validate``: greedy, n = 1, no branching on ``data.val_files``; mean reward per data source.
 
 When replaying recorded rollouts (``rt.replay``, ``megatron_arpo.trainer.replay``) ``rollout`` reads the
@@ -175,8 +177,11 @@ def tool_tags(rt: Runtime, trajectories: list) -> list[str]:
 
 
 def update(rt: Runtime, batch: dict[str, Any]) -> dict[str, float]:
-    train_keys = ("input_ids", "loss_mask", "advantages", "group_ids", "old_logprobs", "ref_logprobs")
-    return rt.actor.update({k: batch[k] for k in train_keys if k in batch})
+    train_keys = ("input_ids", "loss_mask", "advantages", "group_ids", "old_logprobs", "ref_logprobs",
+                  "behav_weights")  # behav_weights: trainer.mode off_policy only (megatron_arpo/trainer/off_policy.py)
+    metrics = rt.actor.update({k: batch[k] for k in train_keys if k in batch})
+    rt.policy_version += 1
+    return metrics
 
 
 def sync_weights(rt: Runtime) -> dict[str, float]:
@@ -185,7 +190,9 @@ def sync_weights(rt: Runtime) -> dict[str, float]:
 
     if rt.group is None:  # replaying records: no engine to send to
         return {}
-    return sync_metrics(rt.actor.sync_weights(rt.group))  # verify: rollout.verify_sync (first sync by default)
+    report = rt.actor.sync_weights(rt.group)  # verify: rollout.verify_sync (first sync by default)
+    rt.group.set_version(rt.policy_version)  # the version every token sampled from now on records
+    return sync_metrics(report)
 
 
 def validate(rt: Runtime, step: int) -> dict[str, float]:

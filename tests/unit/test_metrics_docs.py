@@ -19,7 +19,8 @@ from megatron_arpo.trainer.signals import LeadTimeAdvisor
 ROOT = Path(__file__).resolve().parents[2]
 DOC = (ROOT / "docs" / "metrics.md").read_text()
 FIXTURE = ROOT / "tests" / "support" / "demo_metrics.jsonl"
-FAMILIES = ("reward", "val", "rollout", "tools", "actor", "sync", "time", "phase", "preempt", "data", "train")
+FAMILIES = ("reward", "val", "rollout", "tools", "actor", "sync", "time", "phase", "preempt", "data", "train",
+            "offpolicy")
 
 
 def _undocumented(keys) -> list[str]:

@@ -1,0 +1,161 @@
+"""The off-policy loop parts (megatron_arpo/trainer/off_policy.py) on scripted engines and a stand-in actor:
+the staleness bound decides which batches the engines generate during an update, versions and lags follow,
+the buffer survives a checkpoint, a cancelled call gives its prompts back. The real actor and engines run in
+tests/integration/test_off_policy_train.py."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_arpo.config import build_config
+from megatron_arpo.data.sampler import EpochSampler
+from megatron_arpo.rollout.trajectory import NOT_SAMPLED
+from megatron_arpo.trainer.metrics import metric_pattern
+from megatron_arpo.trainer.off_policy import BUFFER_FILE, OffPolicyLoop
+from megatron_arpo.trainer.signals import StepAborted
+from megatron_arpo.trainer.state import PromptSet, Runtime
+from scheduler_helpers import CODEC, RESULT, Counter, ScriptedStep, make_scheduler, table
+
+BATCH = 2
+
+
+def _script():
+    counter = Counter()
+
+    def script(context, request):
+        g = counter.next()
+        if context.count(RESULT) < 1:
+            return ScriptedStep(CODEC.encode(f"<think>g{g}</think><search>q{g}</search>"), table((0.5, 0.5)))
+        return ScriptedStep(CODEC.encode(f"<think>g{g}</think><answer>\\boxed{{{g}}}</answer><EOS>"), table((0.5, 0.5)))
+
+    return script
+
+
+class StandInActor:
+    """Records each update's batch and the batches the engines had started when it began; with
+    ``wait_for_call`` an update returns only once the engines started the next batch (it fails otherwise:
+    the engines did not generate during the update)."""
+
+    def __init__(self, scheduler, wait_for_call: bool):
+        self.scheduler, self.wait_for_call = scheduler, wait_for_call
+        self.updates: list[dict] = []
+        self.started = threading.Event()
+
+    def update(self, batch):
+        calls_before = self.scheduler._num_calls
+        if self.wait_for_call:
+            assert self.started.wait(timeout=60), "the engines generated nothing while the actor trained"
+        self.updates.append({"batch": batch, "calls_before": calls_before})
+        return {"loss": 0.0}
+
+
+def make_runtime(tmp_path: Path, max_staleness: int, total_steps: int = 3, wait_for_call: bool = False,
+                 engine_latency: float = 0.0):
+    cfg = build_config({"model": {"config": "tiny-qwen3"}, "rollout": {"response_length": 512, "n": 2,
+                                                                       "initial_rollouts": 2,
+                                                                       "max_staleness": max_staleness},
+                        "data": {"max_prompt_tokens": 256}, "tools": {"search": {"enabled": False}},
+                        "launcher": {"gpus_per_node": 0}, "actor": {"mini_batch_size": BATCH},
+                        "trainer": {"placement": "separate", "actor_devices": 1, "rollout_devices": 1,
+                                    "mode": "off_policy", "train_batch_size": BATCH}})
+    sched, _ = make_scheduler(_script(), n=2, initial_rollouts=2, beam_size=1, call_limit=2, response_length=200,
+                              engine_latency=engine_latency)
+    rt = Runtime(cfg=cfg, run_dir=tmp_path)
+    rt.scheduler, rt.group, rt.total_steps = sched, sched.group, total_steps
+    records = [SimpleNamespace(uid=f"u{i}") for i in range(12)]
+    rt.train = PromptSet(records, [CODEC.encode(f"Q{i}") for i in range(12)])
+    rt.sampler = EpochSampler(12, BATCH, seed=0, shuffle=False)
+    rt.actor = StandInActor(sched, wait_for_call)
+    original = sched.run
+
+    async def run(prompts, call_key=None, options=None):
+        rt.actor.started.set()
+        return await original(prompts, call_key=call_key, options=options)
+
+    sched.run = run
+    rt.off_policy = OffPolicyLoop(rt)
+    return rt
+
+
+def one_step(rt, step: int) -> dict:
+    """What train.py does with a step in off-policy mode (scores and advantages left out)."""
+    offp = rt.off_policy
+    prompts, indices, result = offp.take_batch(step)
+    trajs = result.trajectories()
+    batch = {"old_logprobs": [[0.0] * len(t.prompt_token_ids) + [v - 0.25 for v in t.response_logprobs] for t in trajs],
+             "loss_mask": [[0] * len(t.prompt_token_ids) + t.loss_mask for t in trajs]}
+    weights = offp.add_behaviour_weights(batch, trajs)
+    rt.actor.started.clear()
+    offp.update_while_generating(batch)
+    rt.group.set_version(rt.policy_version)  # the weight sync
+    row = offp.metrics(trajs, weights)
+    assert [k for k in row if metric_pattern(k) is None] == []  # every key explained in docs/metrics.md
+    return {"prompts": [p.prompt_id for p in prompts], "indices": indices, "trajs": trajs, "batch": batch, "row": row}
+
+
+def test_max_staleness_0_generates_each_batch_after_the_previous_sync(tmp_path):
+    rt = make_runtime(tmp_path, max_staleness=0)
+    out = [one_step(rt, s) for s in (1, 2, 3)]
+    # no call ran during any update: update s began after exactly s calls (train-1 .. train-s)
+    assert [u["calls_before"] for u in rt.actor.updates] == [1, 2, 3]
+    for s, o in enumerate(out, 1):
+        assert {t.oldest_version() for t in o["trajs"]} == {s - 1}
+        assert "behav_weights" not in o["batch"]  # sync's batch
+        assert o["row"]["offpolicy/staleness/0"] == BATCH and o["row"]["offpolicy/token_share/0"] == 1.0
+        assert [t.prompt_index for t in o["trajs"]] == [0, 0, 1, 1]
+    assert [o["indices"] for o in out] == [[0, 1], [2, 3], [4, 5]]  # the sampler's order, as in sync mode
+
+
+def test_max_staleness_1_generates_the_next_batch_during_the_update(tmp_path):
+    rt = make_runtime(tmp_path, max_staleness=1, total_steps=3, wait_for_call=True)
+    out = [one_step(rt, 1), one_step(rt, 2)]
+    # each update returned only after the engines started the next batch (StandInActor.wait_for_call)
+    assert len(rt.actor.updates) == 2
+    assert len(rt.off_policy.buffer) == BATCH and rt.off_policy.next_batch == 4
+    assert {t.oldest_version() for t in out[0]["trajs"]} == {0}
+    assert {t.oldest_version() for t in out[1]["trajs"]} == {0}  # generated on version 0, trained at version 1
+    lagged = out[1]
+    assert "behav_weights" in lagged["batch"]  # behaviour 0.25 above proximal: w = exp(-0.25) on lag-1 tokens
+    for t, w, m in zip(lagged["trajs"], lagged["batch"]["behav_weights"], lagged["batch"]["loss_mask"]):
+        p = len(t.prompt_token_ids)
+        for j, v in enumerate(t.token_versions):
+            expected = pytest.approx(0.7788, abs=1e-4) if v != NOT_SAMPLED else 1.0
+            assert w[p + j] == expected
+    assert lagged["row"]["offpolicy/staleness/1"] == BATCH and lagged["row"]["offpolicy/token_share/1"] == 1.0
+    assert lagged["row"]["offpolicy/is_weight_mean"] == pytest.approx(0.7788, abs=1e-4)
+    # the last step generates nothing beyond the run (batch 4 would be step 4 of 3)
+    rt.actor.wait_for_call = False
+    one_step(rt, 3)
+    assert rt.off_policy.next_batch == 4 and len(rt.off_policy.buffer) == 0
+
+
+def test_a_checkpoint_restores_the_buffer_and_the_next_batch(tmp_path):
+    rt = make_runtime(tmp_path, max_staleness=1, total_steps=4)
+    one_step(rt, 1)
+    ckpt = tmp_path / "step-1"
+    ckpt.mkdir()
+    rt.off_policy.save(ckpt)
+    state = rt.off_policy.state()
+    assert (ckpt / BUFFER_FILE).exists() and state["next_batch"] == 3
+    rt.step = 1
+    resumed = make_runtime(tmp_path / "r", max_staleness=1, total_steps=4)
+    resumed.step, resumed.policy_version = 1, 1
+    resumed.group.set_version(1)
+    resumed.off_policy.restore(ckpt, state)
+    assert [g.to_dict() for g in resumed.off_policy.buffer.groups] == [g.to_dict() for g in rt.off_policy.buffer.groups]
+    prompts_a, _, _ = rt.off_policy.take_batch(2)
+    prompts_b, _, _ = resumed.off_policy.take_batch(2)
+    assert [p.prompt_id for p in prompts_a] == [p.prompt_id for p in prompts_b]
+
+
+def test_a_cancelled_call_counts_its_groups_and_gives_its_prompts_back(tmp_path):
+    rt = make_runtime(tmp_path, max_staleness=0, engine_latency=3600.0)  # the call never finishes by itself
+    before = rt.sampler.state_dict()
+    with pytest.raises(StepAborted):
+        rt.off_policy.take_batch(1, cancel_when=lambda: True)
+    assert rt.sampler.state_dict() == before and rt.off_policy.buffer.counters["dropped_in_flight"] == BATCH
+    assert rt.off_policy.buffer.in_flight == 0 and rt.off_policy.next_batch == 1
