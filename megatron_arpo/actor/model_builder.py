@@ -164,6 +164,11 @@ def build_transformer_config(
     recompute = {True: "full", False: "none"}.get(recompute, recompute)
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"actor.recompute: {recompute!r} is not supported; allowed: {list(RECOMPUTE_MODES)}")
+    moe_kwargs = dict(family.moe_transformer_config(model_cfg))
+    if moe_kwargs and not torch.cuda.is_available():
+        # Megatron's all-to-all dispatcher creates a CUDA stream for its device-to-host copies; on CPU the
+        # all-gather dispatcher moves the same tokens with plain collectives (gloo).
+        moe_kwargs["moe_token_dispatcher_type"] = "allgather"
     recompute_kwargs = {
         "none": {},
         "selective": dict(recompute_granularity="selective", recompute_modules=["core_attn"]),
@@ -182,7 +187,7 @@ def build_transformer_config(
         activation_func=F.silu,
         add_bias_linear=False,
         **family.transformer_config,  # qk_layernorm, add_qkv_bias
-        **family.moe_transformer_config(model_cfg),  # router, experts, dispatcher (MoE families)
+        **moe_kwargs,  # router, experts, dispatcher (MoE families)
         expert_model_parallel_size=expert_parallel,
         expert_tensor_parallel_size=expert_tensor_parallel or tensor_parallel,
         hidden_dropout=0.0,
@@ -219,6 +224,15 @@ def check_layout(model_cfg: ModelConfig, tensor_parallel: int, pipeline_parallel
         raise ValueError("; ".join(errors))
 
 
+def define_router_gemm_without_te() -> None:
+    """Megatron 0.16.1's MoE router reads ``moe_utils.te_general_gemm``, a name bound only when Transformer
+    Engine imports (a NameError without it, GPU or CPU); bind it to None so the router uses ``torch.mm``."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def get_layer_spec(model_cfg: ModelConfig, use_te: bool | None = None):
     """The decoder layer spec: Transformer Engine modules on GPU, local Megatron modules (+ TorchRMSNorm) on CPU."""
     from megatron.core.models.gpt import gpt_layer_specs
@@ -227,6 +241,8 @@ def get_layer_spec(model_cfg: ModelConfig, use_te: bool | None = None):
     qk_layernorm = get_family(model_cfg.model_type).transformer_config["qk_layernorm"]
     # MoE: one module per expert (SequentialMLP, no grouped GEMM), so parameter names are per expert.
     experts = dict(num_experts=model_cfg.num_experts, moe_grouped_gemm=False)
+    if model_cfg.is_moe:
+        define_router_gemm_without_te()
     if resolve_use_te(use_te):
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm, **experts)
     spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm", **experts)
