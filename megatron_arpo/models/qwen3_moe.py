@@ -7,7 +7,7 @@ and with ``norm_topk_prob`` their softmax weights are renormalised to sum to one
 
 Megatron: softmax router in fp32 with top-k (``moe_router_pre_softmax`` off when ``norm_topk_prob``, which
 is the same renormalised top-k), the auxiliary load-balancing loss weighted by ``router_aux_loss_coef``,
-an all-to-all token dispatcher, and one ``SequentialMLP`` module per expert (no grouped GEMM, so the
+an all-to-all token dispatcher (all-gather on CPU: actor.model_builder), and one ``SequentialMLP`` module per expert (no grouped GEMM, so the
 parameter names are per expert on both specs). Every released checkpoint makes every layer sparse
 (``decoder_sparse_step: 1``, ``mlp_only_layers: []``); other values are refused.
 """
