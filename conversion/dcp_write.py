@@ -114,8 +114,12 @@ def stacked_axes(rule: mapping.BoundRule) -> int:
 
 
 def _extra_state_module(rule: mapping.BoundRule) -> str | None:
-    """``decoder.layers.self_attention.linear_qkv`` for a rule of a layer's ``linear_*`` module."""
-    if rule.layer is None:
+    """``decoder.layers.self_attention.linear_qkv`` for a rule of a layer's ``linear_*`` module.
+
+    Judged on the local-spec name: a pre-norm saved under a TE linear's key (``mlp.linear_fc1.
+    layer_norm_weight``) brings no ``_extra_state``; an MoE layer has no dense ``linear_fc1`` to hold one.
+    """
+    if rule.layer is None or not rule.megatron.rsplit(".", 2)[-2].startswith("linear_"):
         return None
     module = dist_key(rule).rsplit(".", 1)[0]
     return module if module.rsplit(".", 1)[-1].startswith("linear_") else None
