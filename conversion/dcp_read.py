@@ -239,15 +239,18 @@ class DistCheckpointReader:
         name_len, extra_len = struct.unpack("<HH", header[26:30])
         return info.offset + record.header_offset + 30 + name_len + extra_len
 
-    def row_chunks(self, key: str, layer: int | None) -> list[RowChunk] | None:
-        """Where the rows of ``key`` (of one layer of it) are on disk, or None if not as whole rows.
+    def row_chunks(self, key: str, layer: int | tuple[int, ...] | None) -> list[RowChunk] | None:
+        """Where the rows of ``key`` (of one layer of it, or one (layer, expert)) are on disk, or None if not
+        as whole rows.
 
-        Every saved chunk holding rows of the tensor must span all its other dimensions (true of converted
-        checkpoints and of column-parallel TP splits; a row-parallel split stores half rows) and be stored
-        plainly; the chunks must cover every row.
+        ``layer``: None for an unstacked tensor, the layer index, or the indices on the leading stacked axes
+        (``(layer, expert)`` for MoE experts). Every saved chunk holding rows of the tensor must span all
+        its other dimensions (true of converted checkpoints and of column-parallel TP splits; a row-parallel
+        split stores half rows) and be stored plainly; the chunks must cover every row.
         """
+        index = () if layer is None else (layer,) if isinstance(layer, int) else tuple(layer)
         info = self.tensors[key]
-        shape, lead = info.size, (0 if layer is None else 1)
+        shape, lead = info.size, len(index)
         if len(shape) <= lead:
             return None
         row_bytes = ELEMENT_SIZES[info.dtype]
@@ -255,7 +258,7 @@ class DistCheckpointReader:
             row_bytes *= size
         out, covered = [], 0
         for offsets, sizes in info.chunks:
-            if layer is not None and not offsets[0] <= layer < offsets[0] + sizes[0]:
+            if not all(offsets[i] <= index[i] < offsets[i] + sizes[i] for i in range(lead)):
                 continue
             if offsets[lead + 1:] != (0,) * (len(shape) - lead - 1) or sizes[lead + 1:] != shape[lead + 1:]:
                 return None
@@ -265,8 +268,10 @@ class DistCheckpointReader:
             if start is None:
                 return None
             self.check_chunk(key, offsets, background=True)  # copied unseen: checked before the output is kept
-            if layer is not None:
-                start += (layer - offsets[0]) * sizes[1] * row_bytes
+            position = 0  # which [rows, ...] block of the chunk: row-major over its leading axes
+            for i in range(lead):
+                position = position * sizes[i] + index[i] - offsets[i]
+            start += position * sizes[lead] * row_bytes
             where = self._storage[(key, offsets)]
             out.append(RowChunk(self._handle(where.relative_path).fileno(), self.dir / where.relative_path,
                                 offsets[lead], sizes[lead], start, row_bytes))

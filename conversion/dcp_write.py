@@ -15,6 +15,10 @@ What ``dist_checkpointing.save`` of a TP=1/PP=1 ``GPTModel`` (local layer spec) 
 - every ``linear_*`` module of a layer has an ``_extra_state`` ShardedObject per layer, key
   ``<module>._extra_state/shard_<layer>_<num_layers>``, stored as the bytes of ``torch.save([None])``
   (what Megatron's local linears give); DCP keeps it as ``BytesStorageMetadata``;
+- MoE experts (``SequentialMLP``): one key per expert linear, ``decoder.layers.mlp.experts.experts.
+  linear_fc1.weight``, stacked on a layer and a global-expert axis, ``[num_layers, num_experts, ...]``,
+  one chunk per (layer, expert) (two for ``linear_fc1``); their ``_extra_state`` objects are keyed
+  ``shard_<layer>.<expert>_<num_layers>.<num_experts>``; the router is a plain per-layer tensor;
 - files: ``__0_0.distcp`` (the byte items, then each tensor chunk as a ``torch.save`` record, which
   DCP's ``FileSystemReader`` reads back with ``torch.load`` on the byte range; written by
   :mod:`conversion.torch_record`), ``.metadata`` (a pickled
@@ -104,9 +108,18 @@ def with_padding(cfg: ModelConfig, tp: int) -> ModelConfig:
     return dataclasses.replace(cfg, make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by * tp)
 
 
+def stacked_axes(rule: mapping.BoundRule) -> int:
+    """Leading axes a rule's tensor is stacked on in the checkpoint: layer (1), layer and expert (2), none (0)."""
+    return 0 if rule.layer is None else 1 if rule.expert is None else 2
+
+
 def _extra_state_module(rule: mapping.BoundRule) -> str | None:
-    """``decoder.layers.self_attention.linear_qkv`` for a rule of a layer's ``linear_*`` module."""
-    if rule.layer is None:
+    """``decoder.layers.self_attention.linear_qkv`` for a rule of a layer's ``linear_*`` module.
+
+    Judged on the local-spec name: a pre-norm saved under a TE linear's key (``mlp.linear_fc1.
+    layer_norm_weight``) brings no ``_extra_state``; an MoE layer has no dense ``linear_fc1`` to hold one.
+    """
+    if rule.layer is None or not rule.megatron.rsplit(".", 2)[-2].startswith("linear_"):
         return None
     module = dist_key(rule).rsplit(".", 1)[0]
     return module if module.rsplit(".", 1)[-1].startswith("linear_") else None
@@ -129,19 +142,25 @@ def plan_layout(cfg: ModelConfig, tp: int) -> Layout:
         if first.layer is None:
             tensors[key] = SavedTensor(key, tuple(shape), [Chunk((0,) * len(shape), tuple(shape), first)])
             continue
+        experts = cfg.num_experts if first.expert is not None else None
+        lead = (layers,) if experts is None else (layers, experts)
         chunks = []
-        for rule in sorted(rules, key=lambda r: r.layer):
+        for rule in sorted(rules, key=lambda r: (r.layer, r.expert or 0)):
+            at = (rule.layer,) if experts is None else (rule.layer, rule.expert)
+            ones = (1,) * len(at)
             if isinstance(rule.rule, mapping.FusedGateUp):  # [gate; up], one chunk each
                 half = shape[0] // 2
-                chunks += [Chunk((rule.layer, row, *([0] * (len(shape) - 1))), (1, half, *shape[1:]), rule)
+                chunks += [Chunk((*at, row, *([0] * (len(shape) - 1))), (*ones, half, *shape[1:]), rule)
                            for row in (0, half)]
             else:
-                chunks.append(Chunk((rule.layer,) + (0,) * len(shape), (1, *shape), rule))
-        tensors[key] = SavedTensor(key, (layers, *shape), chunks)
+                chunks.append(Chunk(at + (0,) * len(shape), (*ones, *shape), rule))
+        tensors[key] = SavedTensor(key, (*lead, *shape), chunks)
         module = _extra_state_module(first)
         if module is not None:
             for layer in range(layers):
-                objects[f"{module}._extra_state/shard_{layer}_{layers}"] = None
+                for expert in ([None] if experts is None else range(experts)):
+                    shard = f"{layer}_{layers}" if expert is None else f"{layer}.{expert}_{layers}.{experts}"
+                    objects[f"{module}._extra_state/shard_{shard}"] = None
     return Layout(tensors, tuple(objects))
 
 
@@ -181,7 +200,7 @@ class ChunkResolver:
 
     def chunk(self, chunk: Chunk) -> torch.Tensor:
         rule, offsets, sizes = chunk.rule, chunk.offsets, chunk.sizes
-        inner_offsets, inner_sizes = (offsets, sizes) if rule.layer is None else (offsets[1:], sizes[1:])
+        inner_offsets, inner_sizes = offsets[stacked_axes(rule):], sizes[stacked_axes(rule):]
         if isinstance(rule.rule, mapping.FusedGateUp):
             self._drop()
             source = rule.fill(rule.rule.gate if inner_offsets[0] == 0 else rule.rule.up)
@@ -205,8 +224,7 @@ def copy_segments(reader: HFCheckpointReader, cfg: ModelConfig, chunk: Chunk, dt
     dtype cast, rows no block covers): the caller builds the tensor instead.
     """
     rule = chunk.rule
-    inner_offsets, inner_sizes = (chunk.offsets, chunk.sizes) if rule.layer is None else (chunk.offsets[1:],
-                                                                                            chunk.sizes[1:])
+    inner_offsets, inner_sizes = chunk.offsets[stacked_axes(rule):], chunk.sizes[stacked_axes(rule):]
     if any(inner_offsets[1:]):
         return None
     row_bytes = ELEMENT_SIZES[dtype] * math.prod(inner_sizes[1:])

@@ -61,11 +61,20 @@ _LAYER_PREFIX = "decoder.layers."
 
 
 def dist_key(rule: mapping.BoundRule) -> str:
-    """The Megatron dist-checkpoint key of a rule's parameter (TE names, no layer number)."""
+    """The Megatron dist-checkpoint key of a rule's parameter (TE names, no layer or expert number)."""
     if rule.layer is None:
         return rule.megatron
     rest = rule.megatron[len(f"{_LAYER_PREFIX}{rule.layer}."):]
+    if rule.expert is not None:  # SequentialMLP saves local_experts.<i> as experts, on a global-expert axis
+        rest = rest.replace(f".local_experts.{rule.expert}.", ".experts.", 1)
     return _LAYER_PREFIX + mapping.TE_ALIASES.get(rest, rest)
+
+
+def stacked_index(rule: mapping.BoundRule) -> tuple[int, ...]:
+    """The rule's indices on the leading axes its tensor is stacked on: (), (layer,) or (layer, expert)."""
+    if rule.layer is None:
+        return ()
+    return (rule.layer,) if rule.expert is None else (rule.layer, rule.expert)
 
 
 def find_model_config(root: str | os.PathLike, ckpt: Path) -> ModelConfig:
@@ -95,9 +104,11 @@ def check_checkpoint(reader: DistCheckpointReader, cfg: ModelConfig) -> list[map
     for rule in rules:
         key = dist_key(rule)
         shape = reader.shape(key)
-        inner = shape[1:] if rule.layer is not None else shape
+        inner = shape[len(stacked_index(rule)):]
         if rule.layer is not None and shape[0] != cfg.num_hidden_layers:
             raise ValueError(f"{reader.dir}: {key} has {shape[0]} layers, model config says {cfg.num_hidden_layers}")
+        if rule.expert is not None and shape[1] != cfg.num_experts:
+            raise ValueError(f"{reader.dir}: {key} has {shape[1]} experts, model config says {cfg.num_experts}")
         expected = rule.megatron_shape(cfg, 1)
         # The vocab rows are padded for some TP size: only the hidden dimension must match.
         vocab = isinstance(rule.rule, mapping.VocabEmbedding)
@@ -123,11 +134,10 @@ def read_rule_tensors(reader: DistCheckpointReader, cfg: ModelConfig,
     """The HF tensors of one rule, built in memory from its Megatron tensor (one layer of it)."""
     key = dist_key(rule)
     shape = reader.shape(key)
-    if rule.layer is None:
-        full = reader.read(key, (0,) * len(shape), shape)
-    else:  # one [1, ...] slice of the stacked tensor
-        full = reader.read(key, (rule.layer,) + (0,) * (len(shape) - 1), (1, *shape[1:]))[0]
-    return rule.to_hf(full, cfg)
+    index = stacked_index(rule)
+    # one [1, (1,) ...] slice of the stacked tensor (the whole tensor when it is not stacked)
+    full = reader.read(key, index + (0,) * (len(shape) - len(index)), (1,) * len(index) + tuple(shape[len(index):]))
+    return rule.to_hf(full.reshape(shape[len(index):]), cfg)
 
 
 def copy_rule_bytes(reader: DistCheckpointReader, writer, cfg: ModelConfig, rule: mapping.BoundRule) -> bool:
@@ -138,7 +148,7 @@ def copy_rule_bytes(reader: DistCheckpointReader, writer, cfg: ModelConfig, rule
     on disk. Returns False, having written nothing, when the rows are not stored whole (a row-parallel
     split) or plainly: the caller then goes through tensors.
     """
-    chunks = reader.row_chunks(dist_key(rule), rule.layer)
+    chunks = reader.row_chunks(dist_key(rule), stacked_index(rule))
     if chunks is None:
         return False
     element = ELEMENT_SIZES[reader.dtype(dist_key(rule))]

@@ -7,6 +7,13 @@ untied ``output_layer`` padded to ``make_vocab_size_divisible_by * TP`` rows; ``
 splits the linear layers and the vocabulary; norms are replicated; PP splits the layers evenly, the
 embedding lives on the first stage, the output layer and final norm on the last (a tied model keeps a
 copy of the embedding on the last stage when PP > 1, as Megatron does).
+Mixture of experts (qwen3_moe): a layer's MLP is the router (replicated) and ``num_experts / EP`` local
+experts on each rank, each split by the expert TP (``actor.expert_tensor_parallel``, default TP); the
+distributed optimizer shards the expert parameters over the expert-data-parallel group
+(``DP x TP / (EP x expert TP)``) and the rest over DP. Activations count the top-k experts a token
+visits in place of the dense MLP, plus the all-to-all dispatcher's permuted copies of the tokens
+(``ALLTOALL_COPIES`` of ``top-k x T x h`` bf16 per layer). ``active_params`` counts the parameters one
+token uses (top-k experts per layer).
 
 Actor memory per GPU (bytes per parameter, Megatron's distributed-optimizer rule, as in
 docs/design/fake_cuda.md §3: bf16 params + fp32 grads = 6 + 12/DP):
@@ -60,7 +67,8 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from megatron_arpo.model_config import ModelConfig, load_model_config
-from megatron_arpo.parallel_layout import derive_data_parallel, engine_tp_errors, model_layout_errors
+from megatron_arpo.parallel_layout import (derive_data_parallel, engine_tp_errors, expert_world_errors,
+                                           model_layout_errors)
 from megatron_arpo.rollout.config import RolloutSection
 from megatron_arpo.weight_sync.protocol import pack_in_order
 
@@ -85,14 +93,20 @@ class ParamCounts:
     output_layer: int
     final_norm: int
     per_layer: int
+    expert_per_layer: int = 0  # of per_layer: the routed experts' parameters (MoE)
 
     @property
     def total(self) -> int:
         return self.layers * self.per_layer + self.embedding + self.output_layer + self.final_norm
 
+    @property
+    def experts(self) -> int:
+        return self.layers * self.expert_per_layer
 
-def layer_tensor_shapes(cfg: ModelConfig, tp: int = 1) -> dict[str, tuple[int, ...]]:
-    """Shapes of one transformer layer's tensors on one TP rank, Megatron names (local spec)."""
+
+def layer_tensor_shapes(cfg: ModelConfig, tp: int = 1, ep: int = 1, etp: int | None = None
+                        ) -> dict[str, tuple[int, ...]]:
+    """Shapes of one transformer layer's tensors on one TP (and EP) rank, Megatron names (local spec)."""
     h, d, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * d
     shapes = {
@@ -100,9 +114,16 @@ def layer_tensor_shapes(cfg: ModelConfig, tp: int = 1) -> dict[str, tuple[int, .
         "self_attention.linear_qkv.weight": (qkv // tp, h),
         "self_attention.linear_proj.weight": (h, cfg.num_attention_heads * d // tp),
         "pre_mlp_layernorm.weight": (h,),
-        "mlp.linear_fc1.weight": (2 * f // tp, h),
-        "mlp.linear_fc2.weight": (h, f // tp),
     }
+    if cfg.is_moe:
+        e, etp = cfg.moe_intermediate_size, etp or tp
+        shapes["mlp.router.weight"] = (cfg.num_experts, h)
+        for i in range(cfg.num_experts // ep):
+            shapes[f"mlp.experts.local_experts.{i}.linear_fc1.weight"] = (2 * e // etp, h)
+            shapes[f"mlp.experts.local_experts.{i}.linear_fc2.weight"] = (h, e // etp)
+    else:
+        shapes["mlp.linear_fc1.weight"] = (2 * f // tp, h)
+        shapes["mlp.linear_fc2.weight"] = (h, f // tp)
     if cfg.attention_bias:
         shapes["self_attention.linear_qkv.bias"] = (qkv // tp,)
     if cfg.qk_layernorm:
@@ -111,20 +132,24 @@ def layer_tensor_shapes(cfg: ModelConfig, tp: int = 1) -> dict[str, tuple[int, .
     return shapes
 
 
-def check_parallelism(cfg: ModelConfig, tp: int, pp: int, sequence_parallel: bool = False) -> None:
-    """Raise naming the key Megatron would reject and the values it takes (heads/groups/ffn, layers, SP)."""
-    if tp < 1 or pp < 1:
-        raise ValueError(f"actor.tensor_parallel {tp} and actor.pipeline_parallel {pp} must be >= 1")
-    errors = model_layout_errors(cfg, tp, pp, sequence_parallel)
+def check_parallelism(cfg: ModelConfig, tp: int, pp: int, sequence_parallel: bool = False, ep: int = 1,
+                      etp: int | None = None) -> None:
+    """Raise naming the key Megatron would reject and the values it takes (heads/groups/ffn, layers, SP, EP)."""
+    if tp < 1 or pp < 1 or ep < 1:
+        raise ValueError(f"actor.tensor_parallel {tp}, actor.pipeline_parallel {pp} and actor.expert_parallel {ep} "
+                         f"must be >= 1")
+    errors = model_layout_errors(cfg, tp, pp, sequence_parallel, expert_parallel=ep, expert_tensor_parallel=etp)
     if errors:
         raise ValueError("; ".join(errors))
 
 
 def rank_param_counts(cfg: ModelConfig, tp: int = 1, pp: int = 1, pp_rank: int = 0,
-                      padded: bool = True) -> ParamCounts:
-    """Parameters held by one (tp_rank, pp_rank) of the actor; every TP rank holds the same count."""
-    check_parallelism(cfg, tp, pp)
-    per_layer = sum(math.prod(s) for s in layer_tensor_shapes(cfg, tp).values())
+                      padded: bool = True, ep: int = 1, etp: int | None = None) -> ParamCounts:
+    """Parameters held by one (tp_rank, pp_rank, ep_rank) of the actor; every such rank holds the same count."""
+    check_parallelism(cfg, tp, pp, ep=ep, etp=etp)
+    shapes = layer_tensor_shapes(cfg, tp, ep, etp)
+    per_layer = sum(math.prod(s) for s in shapes.values())
+    expert_per_layer = sum(math.prod(s) for n, s in shapes.items() if ".local_experts." in n)
     vocab = cfg.padded_vocab_size(tp) if padded else cfg.vocab_size
     emb_rows = vocab // tp if padded else vocab
     first, last = pp_rank == 0, pp_rank == pp - 1
@@ -134,12 +159,21 @@ def rank_param_counts(cfg: ModelConfig, tp: int = 1, pp: int = 1, pp_rank: int =
     else:
         output = emb_rows * cfg.hidden_size if last else 0
     return ParamCounts(layers=cfg.num_hidden_layers // pp, embedding=embedding, output_layer=output,
-                       final_norm=cfg.hidden_size if last else 0, per_layer=per_layer)
+                       final_norm=cfg.hidden_size if last else 0, per_layer=per_layer,
+                       expert_per_layer=expert_per_layer)
 
 
 def hf_param_count(cfg: ModelConfig) -> int:
     """Parameters of the HF checkpoint (unpadded vocabulary, tied output not counted twice)."""
     return rank_param_counts(cfg, 1, 1, padded=False).total
+
+
+def active_param_count(cfg: ModelConfig) -> int:
+    """Parameters one token uses: all but the experts it is not routed to (MoE); the total for dense models."""
+    counts = rank_param_counts(cfg, 1, 1, padded=False)
+    if not cfg.is_moe:
+        return counts.total
+    return counts.total - counts.experts * (cfg.num_experts - cfg.num_experts_per_tok) // cfg.num_experts
 
 
 def engine_weight_bytes(cfg: ModelConfig, engine_tp: int) -> int:
@@ -199,10 +233,14 @@ TRANSIENT = {("te", "none"): 0.85, ("te", "selective"): 0.85, ("te", "full"): 2.
 LOGITS_WORKSET, LOGITS_WORKSET_ENTROPY = 4.2, 6.2
 LOCAL_SCORE_BYTES = 6
 LAYER_SPECS = ("te", "local")
+# MoE: the permuted token copies the all-to-all dispatcher keeps per layer (dispatched in, combined out),
+# each top-k x T x h in bf16. An estimate: not yet calibrated against a fake-CUDA measurement.
+ALLTOALL_COPIES = 2
 
 
 def layer_activation_bytes(cfg: ModelConfig, tokens: int, tp: int, sequence_parallel: bool, *,
-                           recompute: str = "none", layer_spec: str = "te", seq_len: int | None = None) -> int:
+                           recompute: str = "none", layer_spec: str = "te", seq_len: int | None = None,
+                           etp: int | None = None) -> int:
     """Bytes one layer keeps from its forward to its backward for ``tokens`` tokens (see the module doc)."""
     h, f, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
@@ -210,7 +248,12 @@ def layer_activation_bytes(cfg: ModelConfig, tokens: int, tp: int, sequence_para
     if recompute == "full":
         return int(BF16 * tokens * h / s)
     qk = (q + kv) / tp if cfg.qk_layernorm else 0.0
-    elems = 4 * h / s + (2 * q + 2 * kv + 3 * f) / tp + qk
+    mlp = 3 * f / tp
+    if cfg.is_moe:  # each token runs through its top-k experts, split by the expert TP
+        mlp = 3 * cfg.num_experts_per_tok * cfg.moe_intermediate_size / (etp or tp)
+        mlp += ALLTOALL_COPIES * cfg.num_experts_per_tok * h
+        f = cfg.num_experts_per_tok * cfg.moe_intermediate_size * tp / (etp or tp)  # the local spec's SwiGLU term
+    elems = 4 * h / s + (2 * q + 2 * kv) / tp + mlp + qk
     extra = 0.0
     if layer_spec == "te":
         extra = 8 * tokens * d  # the THD path's per-token RoPE tables of q and k (fp32)
@@ -226,7 +269,7 @@ def stage_activation_bytes(p: "PlanInput", pp_rank: int) -> dict[str, float]:
     """Activation bytes of one stage at its peak: in-flight micro-batches, backward transient, logits."""
     cfg, T = p.model, p.micro_batch_tokens
     layers = cfg.num_hidden_layers // p.pp
-    kw = dict(layer_spec=p.layer_spec, seq_len=p.seq_len)
+    kw = dict(layer_spec=p.layer_spec, seq_len=p.seq_len, etp=p.etp)
     kept_layer = layer_activation_bytes(cfg, T, p.tp, p.sequence_parallel, recompute=p.recompute, **kw)
     one_layer = layer_activation_bytes(cfg, T, p.tp, p.sequence_parallel, recompute="none", **kw)
     fixed = 12 * T * cfg.head_dim + (BF16 * T * cfg.hidden_size if pp_rank == 0 else 0)
@@ -252,6 +295,8 @@ class PlanInput:
     tp: int = 1
     pp: int = 1
     dp: int | None = None  # null = actor GPUs / (tp*pp)
+    ep: int = 1  # actor.expert_parallel (MoE)
+    etp: int | None = None  # actor.expert_tensor_parallel; null = tp
     micro_batch_tokens: int = 16384
     seq_len: int | None = None  # longest sequence (prompt + response); rows of the local spec's packing
     recompute: str = "none"  # none | selective | full
@@ -298,6 +343,7 @@ class Plan:
     sync_peak_gib: float = 0.0
     fits_sync: bool = True
     suggestions: list = field(default_factory=list)
+    active_params: int = 0  # parameters one token uses (MoE: its top-k experts); = total_params if dense
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -308,14 +354,18 @@ def actor_memory(p: PlanInput, dp: int) -> tuple[dict, dict]:
     if p.layer_spec not in LAYER_SPECS:
         raise ValueError(f"layer_spec {p.layer_spec!r}; allowed: {list(LAYER_SPECS)}")
     stages = {}
+    expert_dp = dp * p.tp // (p.ep * (p.etp or p.tp)) if p.distributed_optimizer else 1
     for pp_rank in range(p.pp):
-        n = rank_param_counts(p.model, p.tp, p.pp, pp_rank).total
+        counts = rank_param_counts(p.model, p.tp, p.pp, pp_rank, ep=p.ep, etp=p.etp)
+        n = counts.total
+        # the distributed optimizer shards expert parameters over the expert-data-parallel group
+        sharded = (n - counts.experts) / (dp if p.distributed_optimizer else 1) + counts.experts / max(1, expert_dp)
         acts = stage_activation_bytes(p, pp_rank)
         row = {"params": BF16 * n, "grads": FP32 * n,
-               "optimizer": 3 * FP32 * n / (dp if p.distributed_optimizer else 1),
+               "optimizer": 3 * FP32 * sharded,
                "activations": acts["activations"], "temporaries": acts["temporaries"]}
         if p.layer_spec == "local":  # torch foreach Adam: about one fp32 copy of the shard during the step
-            step = row["params"] + row["grads"] + row["optimizer"] + FP32 * n / (dp if p.distributed_optimizer else 1)
+            step = row["params"] + row["grads"] + row["optimizer"] + FP32 * sharded
             row["temporaries"] = max(row["temporaries"], step - row["params"] - row["grads"] - row["optimizer"]
                                      - row["activations"])
         row["total"] = sum(row.values())
@@ -402,7 +452,7 @@ def make_plan(p: PlanInput, suggest: bool = True) -> Plan:
         raise ValueError(f"unknown gpu {p.gpu!r}; allowed: {sorted(GPU_MEMORY_GIB)}")
     if p.recompute not in ("none", "selective", "full"):
         raise ValueError(f"actor.recompute {p.recompute!r}; allowed: ['full', 'none', 'selective']")
-    check_parallelism(p.model, p.tp, p.pp, p.sequence_parallel)
+    check_parallelism(p.model, p.tp, p.pp, p.sequence_parallel, p.ep, p.etp)
     engine_errors = engine_tp_errors(p.model, p.engine_tp)
     if engine_errors:
         raise ValueError("; ".join(engine_errors))
@@ -411,6 +461,9 @@ def make_plan(p: PlanInput, suggest: bool = True) -> Plan:
     if p.dp is None and world % (p.tp * p.pp):
         raise ValueError(f"{world} GPUs ({p.nodes} nodes x {p.gpus_per_node}) are not a multiple of "
                          f"TP*PP = {p.tp * p.pp}; change launcher.nodes/gpus_per_node or actor TP/PP")
+    expert_errors = expert_world_errors(p.tp, dp, p.ep, p.etp)
+    if expert_errors:
+        raise ValueError("; ".join(expert_errors))
     stages, worst = actor_memory(p, dp)
     rollout = rollout_memory(p)
     budget = budget_gib(p)
@@ -431,7 +484,8 @@ def make_plan(p: PlanInput, suggest: bool = True) -> Plan:
                 rollout_reserved_gib=rollout["reserved"], colocated_peak_gib=colocated, budget_gib=budget,
                 fits_actor=fits_actor, fits_rollout=fits_rollout, fits=fits,
                 weight_sync_gib_per_engine=moved, weight_sync_gib_total=moved * num_engines,
-                sync_gib=sync, sync_peak_gib=sync["total"], fits_sync=fits_sync)
+                sync_gib=sync, sync_peak_gib=sync["total"], fits_sync=fits_sync,
+                active_params=active_param_count(p.model))
     if suggest:
         plan.suggestions = suggest_layouts(p)
     return plan
@@ -458,8 +512,10 @@ def suggest_layouts(p: PlanInput, limit: int = 5) -> list[dict]:
                 if tp * pp > world or world % (tp * pp):
                     continue
                 try:
-                    check_parallelism(p.model, tp, pp, p.sequence_parallel and tp > 1)
+                    check_parallelism(p.model, tp, pp, p.sequence_parallel and tp > 1, p.ep, p.etp)
                 except ValueError:
+                    continue
+                if expert_world_errors(tp, derive_data_parallel(tp, pp, world), p.ep, p.etp):
                     continue
                 q = dataclasses.replace(p, tp=tp, pp=pp, dp=None, recompute=recompute,
                                         sequence_parallel=p.sequence_parallel and tp > 1)
@@ -519,7 +575,8 @@ def plan_input_from_config(cfg: Mapping[str, Any] | Any, model: str | None = Non
         gpus_per_node=gpus_per_node or launcher.get("gpus_per_node", 8) or 8,
         tp=tp or actor.get("tensor_parallel") or mcfg.defaults.actor_tensor_parallel,
         pp=pp or actor.get("pipeline_parallel") or mcfg.defaults.actor_pipeline_parallel,
-        dp=actor.get("data_parallel"), micro_batch_tokens=actor.get("micro_batch_tokens", 16384),
+        dp=actor.get("data_parallel"), ep=actor.get("expert_parallel", 1),
+        etp=actor.get("expert_tensor_parallel"), micro_batch_tokens=actor.get("micro_batch_tokens", 16384),
         seq_len=seq_len, recompute=actor.get("recompute", "none"),
         sequence_parallel=actor.get("sequence_parallel", False),
         distributed_optimizer=actor.get("use_distributed_optimizer", True),
@@ -567,9 +624,13 @@ def format_plan(plan: Plan) -> str:
     else:
         phase = f"separate: actor {plan.actor_peak_gib:.1f} GiB, rollout {plan.rollout_reserved_gib:.1f} GiB -> {ok[plan.fits]}"
     lines = [
-        f"model {i['model']} ({plan.total_params:,} parameters) on {i['nodes']} x {i['gpus_per_node']} {i['gpu']} "
+        f"model {i['model']} ({plan.total_params:,} parameters"
+        + (f", {plan.active_params:,} active per token" if plan.active_params != plan.total_params else "")
+        + f") on {i['nodes']} x {i['gpus_per_node']} {i['gpu']} "
         f"(budget {plan.budget_gib:.1f} GiB/GPU after {i['headroom']:.0%} headroom and {i['overhead_gib']} GiB overhead)",
-        f"actor: TP={i['tp']} PP={i['pp']} DP={plan.dp}, distributed optimizer {i['distributed_optimizer']}, "
+        f"actor: TP={i['tp']} PP={i['pp']} DP={plan.dp}"
+        + (f" EP={i['ep']} expert TP={i['etp'] or i['tp']}" if i['ep'] > 1 or i['etp'] else "")
+        + f", distributed optimizer {i['distributed_optimizer']}, "
         f"recompute {i['recompute']}, SP {i['sequence_parallel']}, {i['layer_spec']} layer spec, "
         f"{i['micro_batch_tokens']} tokens/micro-batch",
         "  params per GPU by stage: " + ", ".join(f"pp{k}={v:,}" for k, v in plan.params_per_rank.items()),

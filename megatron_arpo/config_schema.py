@@ -61,6 +61,8 @@ class ActorSection:
     pipeline_parallel: Optional[int] = _f(None, ge=1, help="null = model config default")
     data_parallel: Optional[int] = _f(None, ge=1, help="null = actor devices / (tp*pp)")
     sequence_parallel: bool = _f(False, help="Megatron sequence parallelism (needs tp > 1); rows padded to a multiple of tp")
+    expert_parallel: int = _f(1, ge=1, help="MoE models: ranks the routed experts are split over (divides num_experts; EP x expert TP divides DP x TP)")
+    expert_tensor_parallel: Optional[int] = _f(None, ge=1, help="MoE models: tensor parallelism inside each expert; null = actor.tensor_parallel")
     micro_batch_tokens: int = _f(16384, ge=1, help="token budget of one packed micro-batch")
     logprob_micro_batch_tokens: Optional[int] = _f(None, ge=1, help="budget for log-prob passes; null = micro_batch_tokens")
     mini_batch_size: int = _f(16, ge=1, help="prompts per optimizer step (each brings rollout.n trajectories)")

@@ -20,7 +20,7 @@ from typing import Any, Mapping
 
 import yaml
 
-from megatron_arpo.models.config import ModelConfig, ParallelDefaults, RopeScaling
+from megatron_arpo.models.config import MOE_FIELDS, ModelConfig, ParallelDefaults, RopeScaling
 from megatron_arpo.models.registry import get_family
 
 __all__ = ["ARCH_FIELDS", "MODEL_CONFIG_DIR", "ModelConfig", "ParallelDefaults", "RopeScaling", "check_hf_config",
@@ -81,7 +81,7 @@ ARCH_FIELDS = (
     "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
     "head_dim", "intermediate_size", "vocab_size", "rms_norm_eps", "rope_theta",
     "max_position_embeddings", "rope_scaling", "tie_word_embeddings", "attention_bias", "qk_layernorm",
-)
+) + MOE_FIELDS
 
 
 def _expect_type(where: str, key: str, value: Any, kind: type) -> Any:
@@ -128,6 +128,12 @@ def model_config_from_dict(data: Mapping[str, Any], where: str = "model config")
                     raise ValueError(f"{where}: defaults.{k} must be >= 1, got {v}")
             kwargs[name] = ParallelDefaults(**value)
             continue
+        if name == "mlp_only_layers" and value is not None:
+            if not isinstance(value, (list, tuple)) or not all(
+                    isinstance(v, int) and not isinstance(v, bool) for v in value):
+                raise ValueError(f"{where}: mlp_only_layers must be a list of layer indices, got {value!r}")
+            kwargs[name] = tuple(value)
+            continue
         annotation = fields[name].type
         kind = {"int": int, "float": float, "bool": bool, "str": str}.get(annotation.split(" |")[0])
         if value is None and "None" in annotation:
@@ -146,12 +152,25 @@ def model_config_from_dict(data: Mapping[str, Any], where: str = "model config")
             f"{where}: num_attention_heads {cfg.num_attention_heads} is not a multiple of "
             f"num_key_value_heads {cfg.num_key_value_heads}; grouped-query attention needs it to be"
         )
+    if cfg.is_moe:
+        _check_moe_sizes(cfg, where)
     if not 0 < cfg.rms_norm_eps < 1:
         raise ValueError(f"{where}: rms_norm_eps must be in (0, 1), got {cfg.rms_norm_eps}")
     family.check(cfg, where)
     if cfg.hidden_act != "silu":
         raise ValueError(f"{where}: hidden_act {cfg.hidden_act!r} is not supported; allowed: ['silu']")
     return cfg
+
+
+def _check_moe_sizes(cfg: ModelConfig, where: str) -> None:
+    for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
+        if getattr(cfg, key) is not None and getattr(cfg, key) < 1:
+            raise ValueError(f"{where}: {key} must be >= 1, got {getattr(cfg, key)}")
+    if cfg.num_experts_per_tok is not None and cfg.num_experts_per_tok > cfg.num_experts:
+        raise ValueError(f"{where}: num_experts_per_tok {cfg.num_experts_per_tok} exceeds num_experts "
+                         f"{cfg.num_experts}; a token cannot be routed to more experts than exist")
+    if cfg.router_aux_loss_coef is not None and cfg.router_aux_loss_coef < 0:
+        raise ValueError(f"{where}: router_aux_loss_coef must be >= 0, got {cfg.router_aux_loss_coef}")
 
 
 def resolve_model_config_path(name_or_path: str | os.PathLike) -> Path:
@@ -188,14 +207,20 @@ def model_config_from_hf(hf_config: Mapping[str, Any], name: str = "hf") -> Mode
     hf_config["rope_scaling"] = rope_scaling_from_dict(hf_config.get("rope_scaling"), where)
     if "torch_dtype" not in hf_config and "dtype" in hf_config:
         hf_config["torch_dtype"] = hf_config["dtype"]
+    if "num_experts" not in hf_config and "num_local_experts" in hf_config:  # transformers >= 5's name
+        hf_config["num_experts"] = hf_config["num_local_experts"]
     data: dict[str, Any] = {"name": name}
     for key in ARCH_FIELDS:
+        if key in MOE_FIELDS and not family.moe:
+            continue  # a dense family: None whatever config.json says (its model class has no experts)
         if key == "rope_scaling":
             data[key] = None if hf_config[key] is None else dataclasses.asdict(hf_config[key])
         elif key in hf_config and key != "qk_layernorm":
             data[key] = hf_config[key]
         elif key in family.implicit_fields:
             data[key] = family.implicit_fields[key]
+        elif key in family.hf_defaults:
+            data[key] = family.hf_defaults[key]
         elif key == "head_dim":
             data[key] = hf_config["hidden_size"] // hf_config["num_attention_heads"]
         elif key == "tie_word_embeddings":
@@ -231,6 +256,11 @@ def hf_config_dict(model_cfg: ModelConfig) -> dict[str, Any]:
     out: dict[str, Any] = {"architectures": [family.hf_architecture], "model_type": model_cfg.model_type}
     for key in ARCH_FIELDS:
         if key in ("model_type", "qk_layernorm") or key in family.hf_omitted_fields:
+            continue
+        if key in MOE_FIELDS:
+            if getattr(model_cfg, key) is not None:
+                value = getattr(model_cfg, key)
+                out[key] = list(value) if isinstance(value, tuple) else value
             continue
         out[key] = getattr(model_cfg, key)
     out["rope_scaling"] = model_cfg.rope_scaling.to_hf() if model_cfg.rope_scaling else None

@@ -22,8 +22,8 @@ from typing import Any, Optional
 ExperimentConfigLike = Any
 ModelConfigLike = Any
 
-__all__ = ["ParallelLayout", "derive_data_parallel", "engine_tp_errors", "layout_errors", "model_layout_errors",
-           "tensor_parallel_choices"]
+__all__ = ["ParallelLayout", "derive_data_parallel", "engine_tp_errors", "expert_world_errors", "layout_errors",
+           "model_layout_errors", "moe_layout_errors", "tensor_parallel_choices"]
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,12 @@ class ParallelLayout:
     placement: str  # trainer.placement: colocated | separate
     actor_devices: Optional[int] = None  # trainer.actor_devices (separate placement)
     rollout_devices: Optional[int] = None  # trainer.rollout_devices (separate placement)
+    ep: int = 1  # actor.expert_parallel: MoE experts split over EP ranks (inside the DP x TP ranks)
+    etp: Optional[int] = None  # actor.expert_tensor_parallel; None: the experts' TP is tp
+
+    @property
+    def expert_tp(self) -> int:
+        return self.etp or self.tp
 
     @property
     def world_size(self) -> int:
@@ -65,7 +71,8 @@ class ParallelLayout:
                                            t.actor_devices or _total_devices(cfg), a.data_parallel),
                    sequence_parallel=a.sequence_parallel, engine_tp=r.tensor_parallel, num_engines=r.num_engines,
                    nodes=la.nodes, gpus_per_node=la.gpus_per_node, placement=t.placement,
-                   actor_devices=t.actor_devices, rollout_devices=t.rollout_devices)
+                   actor_devices=t.actor_devices, rollout_devices=t.rollout_devices,
+                   ep=a.expert_parallel, etp=a.expert_tensor_parallel)
 
     def for_world(self, world_size: int, data_parallel: Optional[int] = None) -> "ParallelLayout":
         """This layout over a process group of ``world_size`` ranks (an actor worker's actual world, which a
@@ -77,6 +84,9 @@ class ParallelLayout:
         if data_parallel is not None and data_parallel != dp:
             raise ValueError(f"actor.data_parallel is {data_parallel} but the world of {world_size} ranks "
                              f"gives {dp} with tp={self.tp}, pp={self.pp}; set it to {dp} or null")
+        errors = expert_world_errors(self.tp, dp, self.ep, self.etp)
+        if errors:
+            raise ValueError("; ".join(errors))
         return dataclasses.replace(self, dp=dp)
 
 
@@ -97,10 +107,42 @@ def tensor_parallel_choices(cfg: ModelConfigLike) -> list[int]:
             if cfg.num_attention_heads % t == 0 and cfg.intermediate_size % t == 0]
 
 
-def model_layout_errors(cfg: ModelConfigLike, tensor_parallel: int, pipeline_parallel: int,
-                        sequence_parallel: bool = False, section: str = "actor") -> list[str]:
-    """Problems of a TP/PP/SP layout for this model, each naming the key and the values that work."""
+def expert_world_errors(tp: int, dp: int, ep: int, etp: Optional[int], section: str = "actor") -> list[str]:
+    """Megatron places the EP x ETP expert grid inside the DP x TP ranks of a pipeline stage."""
+    expert_tp = etp or tp
+    if (tp * dp) % (ep * expert_tp):
+        valid = [e for e in _divisors(tp * dp) if (tp * dp) % (e * expert_tp) == 0]
+        return [f"{section}.expert_parallel: {ep} x expert tensor parallel {expert_tp} = {ep * expert_tp} does not "
+                f"divide data_parallel x tensor_parallel = {dp} x {tp} = {tp * dp}; valid values with these sizes: "
+                f"{valid}, or add data-parallel ranks"]
+    return []
+
+
+def moe_layout_errors(cfg: ModelConfigLike, expert_parallel: int, expert_tensor_parallel: Optional[int],
+                      section: str = "actor") -> list[str]:
+    """Problems of an EP / expert-TP layout for this model (a dense model takes only EP 1)."""
+    num_experts = getattr(cfg, "num_experts", None)
+    if num_experts is None:
+        if expert_parallel != 1 or expert_tensor_parallel is not None:
+            return [f"{section}.expert_parallel / {section}.expert_tensor_parallel: {cfg.name} is a dense model "
+                    f"(no experts); set {section}.expert_parallel: 1 and {section}.expert_tensor_parallel: null"]
+        return []
     errors = []
+    if num_experts % expert_parallel:
+        errors.append(f"{section}.expert_parallel: {expert_parallel} does not divide {cfg.name} num_experts "
+                      f"{num_experts}; valid values: {_divisors(num_experts)}")
+    if expert_tensor_parallel is not None and cfg.moe_intermediate_size % expert_tensor_parallel:
+        errors.append(f"{section}.expert_tensor_parallel: {expert_tensor_parallel} does not divide {cfg.name} "
+                      f"moe_intermediate_size {cfg.moe_intermediate_size}; valid values: "
+                      f"{_divisors(cfg.moe_intermediate_size)}")
+    return errors
+
+
+def model_layout_errors(cfg: ModelConfigLike, tensor_parallel: int, pipeline_parallel: int,
+                        sequence_parallel: bool = False, section: str = "actor", expert_parallel: int = 1,
+                        expert_tensor_parallel: Optional[int] = None) -> list[str]:
+    """Problems of a TP/PP/SP (and EP/ETP) layout for this model, each naming the key and the values that work."""
+    errors = moe_layout_errors(cfg, expert_parallel, expert_tensor_parallel, section)
     tp_ok = tensor_parallel_choices(cfg)
     for what in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
         value = getattr(cfg, what)
@@ -142,7 +184,9 @@ def layout_errors(cfg: ExperimentConfigLike, model: ModelConfigLike) -> list[str
     """Problems of the config's parallel sizes against the model and the devices (empty: it fits)."""
     a, r, t = cfg.actor, cfg.rollout, cfg.trainer
     tp, pp = a.tensor_parallel, a.pipeline_parallel
-    errors = model_layout_errors(model, tp, pp, a.sequence_parallel) + engine_tp_errors(model, r.tensor_parallel)
+    errors = model_layout_errors(model, tp, pp, a.sequence_parallel, expert_parallel=a.expert_parallel,
+                                 expert_tensor_parallel=a.expert_tensor_parallel)
+    errors += engine_tp_errors(model, r.tensor_parallel)
     devices = _total_devices(cfg)
     if t.placement == "separate":
         for key in ("actor_devices", "rollout_devices"):
@@ -159,6 +203,11 @@ def layout_errors(cfg: ExperimentConfigLike, model: ModelConfigLike) -> list[str
         elif a.data_parallel is not None and tp * pp * a.data_parallel != actor_pool:
             errors.append(f"actor.data_parallel: {a.data_parallel} gives a world of {tp * pp * a.data_parallel} "
                           f"but there are {actor_pool} actor devices; set it to {actor_pool // (tp * pp)} or null")
+        else:
+            dp = derive_data_parallel(tp, pp, actor_pool, a.data_parallel)
+            errors += expert_world_errors(tp, dp, a.expert_parallel, a.expert_tensor_parallel)
+    elif a.data_parallel is not None:  # CPU-only nodes: the world is what the config says
+        errors += expert_world_errors(tp, a.data_parallel, a.expert_parallel, a.expert_tensor_parallel)
     rollout_pool = t.rollout_devices if t.placement == "separate" else devices
     if rollout_pool is not None and r.num_engines * r.tensor_parallel > rollout_pool:
         errors.append(f"rollout.num_engines x rollout.tensor_parallel = {r.num_engines * r.tensor_parallel} "

@@ -56,12 +56,14 @@ def _single_chunk(models) -> torch.nn.Module:
     return models[0]
 
 
-def stage_parameters(models, cfg: ModelConfig, pp_rank: int, pp_size: int) -> dict[str, torch.nn.Parameter]:
-    """This stage's parameters keyed by canonical name (global layer numbers, local-spec norm names)."""
+def stage_parameters(models, cfg: ModelConfig, pp_rank: int, pp_size: int, ep_rank: int = 0,
+                     ep_size: int = 1) -> dict[str, torch.nn.Parameter]:
+    """This stage's parameters keyed by canonical name (global layer and expert numbers, local-spec norm names)."""
     offset = mapping.stage_layers(cfg, pp_rank, pp_size).start
+    expert_offset = ep_rank * mapping.experts_per_rank(cfg, ep_size) if cfg.is_moe else 0
     params = {}
     for name, param in _single_chunk(models).named_parameters():
-        params[mapping.canonical_megatron_name(name, offset)] = param
+        params[mapping.canonical_megatron_name(name, offset, expert_offset)] = param
     return params
 
 
@@ -73,20 +75,28 @@ def _optional_output(cfg: ModelConfig):
 
 @torch.no_grad()
 def load_hf_into_megatron(models, model_cfg: ModelConfig, hf_dir: str | os.PathLike, tp_rank: int, tp_size: int,
-                          pp_rank: int, pp_size: int, *, check_config: bool = True) -> list[str]:
-    """Copy this rank's shards of an HF checkpoint into the live model; returns the parameters loaded."""
+                          pp_rank: int, pp_size: int, *, check_config: bool = True, ep_rank: int = 0,
+                          ep_size: int = 1, etp_rank: int | None = None, etp_size: int | None = None) -> list[str]:
+    """Copy this rank's shards of an HF checkpoint into the live model; returns the parameters loaded.
+
+    MoE: this EP rank's experts only, split over the expert-TP group (``etp_*``; default: the TP group's).
+    """
     reader = HFCheckpointReader(hf_dir)
     bound = validate_hf_checkpoint(reader, model_cfg, check_config)
-    rules = mapping.rules_for_stage(bound, model_cfg, pp_rank, pp_size)
-    params = stage_parameters(models, model_cfg, pp_rank, pp_size)
-    where = f"Megatron model (tp_rank {tp_rank}/{tp_size}, pp_rank {pp_rank}/{pp_size})"
+    rules = [rule for rule in mapping.rules_for_stage(bound, model_cfg, pp_rank, pp_size)
+             if mapping.expert_rank(rule, model_cfg, ep_size) in (None, ep_rank)]
+    params = stage_parameters(models, model_cfg, pp_rank, pp_size, ep_rank, ep_size)
+    where = f"Megatron model (tp_rank {tp_rank}/{tp_size}, pp_rank {pp_rank}/{pp_size}, ep_rank {ep_rank}/{ep_size})"
     mapping.check_megatron_coverage(rules, params, where, optional=_optional_output(model_cfg))
     loaded = []
     for rule in rules:
         param = params.get(rule.megatron)
         if param is None:
             continue
-        shard = rule.read_shard(reader, model_cfg, tp_rank, tp_size)
+        if rule.expert is not None and etp_size is not None:
+            shard = rule.read_shard(reader, model_cfg, etp_rank, etp_size)
+        else:
+            shard = rule.read_shard(reader, model_cfg, tp_rank, tp_size)
         if tuple(shard.shape) != tuple(param.shape):
             raise ValueError(
                 f"{where}: {rule.megatron} has shape {list(param.shape)} but the mapping built {list(shard.shape)} "
@@ -240,6 +250,12 @@ def stage_hf_buckets(models, cfg: ModelConfig, bucket_bytes: int, *, tp_group, p
     rules = [r for r in mapping.rules_for_stage(mapping.bind_table(cfg), cfg, pp_rank, pp_size) if r.hf_outputs]
     if not rules:
         return
+    absent_experts = [r.megatron for r in rules if r.expert is not None and r.megatron not in params]
+    if absent_experts:
+        raise NotImplementedError(
+            f"{cfg.name}: this rank holds only some of the experts ({len(absent_experts)} expert tensors of stage "
+            f"{pp_rank} live on other expert-parallel ranks); streaming HF weights (weight sync, HF export) from an "
+            f"actor with actor.expert_parallel > 1 is not implemented yet: set actor.expert_parallel: 1")
     dtype = dtype or params[rules[0].megatron].dtype
     device = params[rules[0].megatron].device
     for bucket in plan_stage_buckets(rules, cfg, dtype, bucket_bytes, aliases):

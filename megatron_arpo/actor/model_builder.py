@@ -47,6 +47,9 @@ tests/unit/test_model_builder.py); ``N`` is the layer index local to the pipelin
     decoder.layers.N.pre_mlp_layernorm.weight             [hidden]
     decoder.layers.N.mlp.linear_fc1.weight                [2*ffn/tp, hidden]  (gate rows, then up rows)
     decoder.layers.N.mlp.linear_fc2.weight                [hidden, ffn/tp]
+    decoder.layers.N.mlp.router.weight                    [experts, hidden]          (qwen3_moe, in place
+    decoder.layers.N.mlp.experts.local_experts.E.linear_fc1.weight  [2*moe_ffn/etp, hidden]  of the dense
+    decoder.layers.N.mlp.experts.local_experts.E.linear_fc2.weight  [hidden, moe_ffn/etp]    linear_fc1/2)
     decoder.final_layernorm.weight                        [hidden]                   (last stage)
     output_layer.weight                                   [vocab_padded/tp, hidden]  (last stage)
 
@@ -60,6 +63,9 @@ Under the TE spec the two pre-norms are fused into the following linear layer:
 ``input_layernorm.weight`` becomes ``self_attention.linear_qkv.layer_norm_weight`` and
 ``pre_mlp_layernorm.weight`` becomes ``mlp.linear_fc1.layer_norm_weight``; everything else keeps its
 name (q/k layernorms stay separate modules).
+
+MoE (``qwen3_moe``): ``E`` counts this expert-parallel rank's experts (``num_experts / EP``); the expert
+linears are split by the expert tensor parallelism (``etp``, default ``tp``).
 
 Callers initialise Megatron's parallel state first (:func:`initialize_model_parallel`). On CPU, call
 ``cpu_compat.apply_cpu_compat()`` before building, and pass :func:`causal_attention_mask` to forward.
@@ -136,11 +142,15 @@ def build_transformer_config(
     recompute: str | bool = "none",
     use_te: bool | None = None,
     deterministic: bool = False,
+    expert_parallel: int = 1,
+    expert_tensor_parallel: int | None = None,
 ):
     """Map a model config onto Megatron's ``TransformerConfig`` (the only place that builds one).
 
     ``recompute``: ``"none"``, ``"selective"`` or ``"full"`` (``True``/``False`` mean full/none).
     ``deterministic``: Megatron's ``deterministic_mode`` (``trainer.deterministic``, megatron_arpo.determinism).
+    ``expert_parallel`` / ``expert_tensor_parallel`` (MoE families; ``None``: the expert TP equals
+    ``tensor_parallel``, Megatron's default): how the routed experts are split.
     """
     from megatron.core.transformer.enums import AttnBackend
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -149,10 +159,16 @@ def build_transformer_config(
     use_te = resolve_use_te(use_te)
     if params_dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"params_dtype {params_dtype} is not supported; use torch.float32, bfloat16 or float16")
-    check_layout(model_cfg, tensor_parallel, pipeline_parallel, sequence_parallel)
+    check_layout(model_cfg, tensor_parallel, pipeline_parallel, sequence_parallel, expert_parallel,
+                 expert_tensor_parallel)
     recompute = {True: "full", False: "none"}.get(recompute, recompute)
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"actor.recompute: {recompute!r} is not supported; allowed: {list(RECOMPUTE_MODES)}")
+    moe_kwargs = dict(family.moe_transformer_config(model_cfg))
+    if moe_kwargs and not torch.cuda.is_available():
+        # Megatron's all-to-all dispatcher creates a CUDA stream for its device-to-host copies; on CPU the
+        # all-gather dispatcher moves the same tokens with plain collectives (gloo).
+        moe_kwargs["moe_token_dispatcher_type"] = "allgather"
     recompute_kwargs = {
         "none": {},
         "selective": dict(recompute_granularity="selective", recompute_modules=["core_attn"]),
@@ -171,6 +187,9 @@ def build_transformer_config(
         activation_func=F.silu,
         add_bias_linear=False,
         **family.transformer_config,  # qk_layernorm, add_qkv_bias
+        **moe_kwargs,  # router, experts, dispatcher (MoE families)
+        expert_model_parallel_size=expert_parallel,
+        expert_tensor_parallel_size=expert_tensor_parallel or tensor_parallel,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tensor_parallel,
@@ -196,11 +215,22 @@ def build_transformer_config(
 
 
 def check_layout(model_cfg: ModelConfig, tensor_parallel: int, pipeline_parallel: int,
-                 sequence_parallel: bool = False) -> None:
+                 sequence_parallel: bool = False, expert_parallel: int = 1,
+                 expert_tensor_parallel: int | None = None) -> None:
     """Refuse a layout this model cannot take, naming the key and the values it can."""
-    errors = model_layout_errors(model_cfg, tensor_parallel, pipeline_parallel, sequence_parallel)
+    errors = model_layout_errors(model_cfg, tensor_parallel, pipeline_parallel, sequence_parallel,
+                                 expert_parallel=expert_parallel, expert_tensor_parallel=expert_tensor_parallel)
     if errors:
         raise ValueError("; ".join(errors))
+
+
+def define_router_gemm_without_te() -> None:
+    """Megatron 0.16.1's MoE router reads ``moe_utils.te_general_gemm``, a name bound only when Transformer
+    Engine imports (a NameError without it, GPU or CPU); bind it to None so the router uses ``torch.mm``."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def get_layer_spec(model_cfg: ModelConfig, use_te: bool | None = None):
@@ -209,9 +239,13 @@ def get_layer_spec(model_cfg: ModelConfig, use_te: bool | None = None):
     from megatron.core.transformer.identity_op import IdentityOp
 
     qk_layernorm = get_family(model_cfg.model_type).transformer_config["qk_layernorm"]
+    # MoE: one module per expert (SequentialMLP, no grouped GEMM), so parameter names are per expert.
+    experts = dict(num_experts=model_cfg.num_experts, moe_grouped_gemm=False)
+    if model_cfg.is_moe:
+        define_router_gemm_without_te()
     if resolve_use_te(use_te):
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm")
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm, **experts)
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm", **experts)
     attn = spec.submodules.self_attention
     attn_sub = dataclasses.replace(
         attn.submodules, **{k: TorchRMSNorm for k in ("q_layernorm", "k_layernorm")
@@ -248,6 +282,8 @@ def build_gpt_model(
     recompute: str | bool = "none",
     sequence_parallel: bool = False,
     deterministic: bool = False,
+    expert_parallel: int = 1,
+    expert_tensor_parallel: int | None = None,
 ):
     """A ``GPTModel`` for this rank's pipeline stage (parallel state must already be initialised)."""
     from megatron.core import parallel_state
@@ -258,6 +294,9 @@ def build_gpt_model(
     for name, want, have in (
         ("tensor_parallel", tensor_parallel, parallel_state.get_tensor_model_parallel_world_size()),
         ("pipeline_parallel", pipeline_parallel, parallel_state.get_pipeline_model_parallel_world_size()),
+        ("expert_parallel", expert_parallel, parallel_state.get_expert_model_parallel_world_size()),
+        ("expert_tensor_parallel", expert_tensor_parallel or tensor_parallel,
+         parallel_state.get_expert_tensor_parallel_world_size()),
     ):
         if want != have:
             raise ValueError(f"build_gpt_model({name}={want}) but parallel state was initialised with {have}")
@@ -265,7 +304,7 @@ def build_gpt_model(
     config = build_transformer_config(
         model_cfg, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
         params_dtype=params_dtype, recompute=recompute, use_te=use_te, sequence_parallel=sequence_parallel,
-        deterministic=deterministic,
+        deterministic=deterministic, expert_parallel=expert_parallel, expert_tensor_parallel=expert_tensor_parallel,
     )
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=True)
@@ -335,8 +374,10 @@ def causal_attention_mask(seq_len: int, device: str | torch.device = "cpu") -> t
     return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool, device=device), diagonal=1)[None, None]
 
 
-def initialize_model_parallel(tensor_parallel: int = 1, pipeline_parallel: int = 1, seed: int = 0) -> None:
-    """Set up Megatron's TP/PP/DP groups on the current default process group and seed its RNG tracker.
+def initialize_model_parallel(tensor_parallel: int = 1, pipeline_parallel: int = 1, seed: int = 0,
+                              expert_parallel: int = 1, expert_tensor_parallel: int | None = None) -> None:
+    """Set up Megatron's TP/PP/DP (and expert EP/ETP) groups on the current default process group and seed
+    its RNG tracker.
 
     Seeds as Megatron's training entry does: each pipeline stage gets ``seed + 100 * pp_rank``; the
     tracker's model-parallel stream adds the TP rank, so TP shards are initialised differently.
@@ -345,6 +386,7 @@ def initialize_model_parallel(tensor_parallel: int = 1, pipeline_parallel: int =
 
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor_parallel, pipeline_model_parallel_size=pipeline_parallel,
+        expert_model_parallel_size=expert_parallel, expert_tensor_parallel_size=expert_tensor_parallel,
     )
     stage_seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
     torch.manual_seed(stage_seed)

@@ -103,7 +103,8 @@ class MegatronActorWorker:
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
         apply_cpu_compat()
-        initialize_model_parallel(self.tp, self.pp, seed=self.actor.seed)
+        initialize_model_parallel(self.tp, self.pp, seed=self.actor.seed, expert_parallel=self.parallel.ep,
+                                  expert_tensor_parallel=self.parallel.etp)
         self.rank, self.world_size = rank, world_size
         self.step = 0
         self.model = self.ddp_model = self.chunk = self.optimizer = self.scheduler = self.rope = None
@@ -138,7 +139,8 @@ class MegatronActorWorker:
         model = model_builder.build_gpt_model(
             self.model_cfg, tensor_parallel=self.tp, pipeline_parallel=self.pp, params_dtype=self.params_dtype,
             use_te=self.use_te, recompute=self.actor.recompute, sequence_parallel=self.actor.sequence_parallel,
-            deterministic=self.deterministic)
+            deterministic=self.deterministic, expert_parallel=self.parallel.ep,
+            expert_tensor_parallel=self.parallel.etp)
         model.config.variable_seq_lengths = True  # packed micro-batches differ in shape (PP p2p sends shapes)
         self.rope = None if self.use_te else install_position_rope(model)
         self.model = model  # the bare GPTModel: HF load, checkpoints, export
@@ -146,7 +148,10 @@ class MegatronActorWorker:
         hf_dir = hf_dir or getattr(getattr(self.cfg, "model", None), "hf_checkpoint", None)
         self.hf_dir = hf_dir
         if hf_dir and load_dir is None:
-            load_hf_into_megatron(model, self.model_cfg, hf_dir, self.tp_rank, self.tp, self.pp_rank, self.pp)
+            load_hf_into_megatron(model, self.model_cfg, hf_dir, self.tp_rank, self.tp, self.pp_rank, self.pp,
+                                  ep_rank=parallel_state.get_expert_model_parallel_rank(), ep_size=self.parallel.ep,
+                                  etp_rank=parallel_state.get_expert_tensor_parallel_rank(),
+                                  etp_size=self.parallel.expert_tp)
         if self.role == "reference":
             for param in model.parameters():
                 param.requires_grad_(False)

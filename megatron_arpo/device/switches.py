@@ -122,6 +122,15 @@ SWITCHES: tuple[Switch, ...] = (
                  "here, so it takes the local-spec fallback",
     ),
     Switch(
+        id="moe-token-dispatcher",
+        where=("megatron_arpo/actor/model_builder.py:build_transformer_config",),
+        cpu="MoE tokens reach their experts through Megatron's all-gather dispatcher",
+        gpu="the all-to-all dispatcher",
+        reason="Megatron's all-to-all dispatcher creates a CUDA stream for its device-to-host copies",
+        gpu_test="none here: the all-to-all dispatcher needs CUDA streams; tests/dist/test_moe_parallel.py runs "
+                 "the all-gather one at EP 2",
+    ),
+    Switch(
         id="cuda-rng",
         where=("megatron_arpo/actor/checkpoint.py:rng_state", "megatron_arpo/actor/checkpoint.py:set_rng_state"),
         cpu="checkpoints hold the host RNG states only",

@@ -23,6 +23,7 @@ from megatron_arpo.model_config import ModelConfig, check_hf_config, read_hf_con
 from megatron_arpo.parallel_layout import model_layout_errors
 from megatron_arpo.models.registry import get_family
 from megatron_arpo.models.rules import (  # noqa: F401  (re-exported: the converters' vocabulary)
+    EXPERT,
     LAYER,
     Copy,
     FusedGateUp,
@@ -57,20 +58,21 @@ def get_table(model_type: str) -> tuple[Rule, ...]:
 
 @dataclass(frozen=True)
 class BoundRule:
-    """A rule with ``{layer}`` filled in: the unit every converter path iterates over."""
+    """A rule with ``{layer}`` (and ``{expert}``) filled in: the unit every converter path iterates over."""
 
     rule: Rule
     layer: int | None  # global layer index, None for embedding / final norm / output
     megatron: str
     hf_sources: tuple[str, ...]  # HF tensors read on import (tied output reads the embedding)
     hf_outputs: tuple[str, ...]  # HF tensors produced on export
+    expert: int | None = None  # global expert index of a routed expert's rule
 
     @property
     def shard(self) -> Shard:
         return self.rule.shard
 
     def fill(self, name: str) -> str:
-        return name.replace(LAYER, str(self.layer)) if self.layer is not None else name
+        return fill_name(name, self.layer, self.expert)
 
     def hf_shapes(self, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         return {self.fill(k): v for k, v in self.rule.hf_shapes(cfg).items()}
@@ -98,20 +100,28 @@ class BoundRule:
         return {self.fill(k): v for k, v in self.rule.hf_row_blocks(cfg).items()}
 
 
+def fill_name(name: str, layer: int | None, expert: int | None = None) -> str:
+    if layer is not None:
+        name = name.replace(LAYER, str(layer))
+    return name.replace(EXPERT, str(expert)) if expert is not None else name
+
+
 def bind_table(cfg: ModelConfig) -> list[BoundRule]:
-    """Expand the table of ``cfg.model_type`` over the layers, in Megatron order (embedding first)."""
+    """Expand the table of ``cfg.model_type`` over the layers (and the experts of an expert rule), in
+    Megatron order (embedding first)."""
     bound = []
     for rule in get_table(cfg.model_type):
         layers: Iterable[int | None] = range(cfg.num_hidden_layers) if LAYER in rule.megatron else (None,)
+        experts: Iterable[int | None] = range(cfg.num_experts or 0) if EXPERT in rule.megatron else (None,)
         for layer in layers:
-            def fill(name: str) -> str:
-                return name.replace(LAYER, str(layer)) if layer is not None else name
-            if isinstance(rule, VocabEmbedding):
-                sources = (fill(rule.source(cfg)),)
-                outputs = () if rule.is_tied(cfg) else (fill(rule.hf),)
-            else:
-                sources = outputs = tuple(fill(s) for s in rule.sources)
-            bound.append(BoundRule(rule, layer, fill(rule.megatron), sources, outputs))
+            for expert in experts:
+                if isinstance(rule, VocabEmbedding):
+                    sources = (fill_name(rule.source(cfg), layer),)
+                    outputs = () if rule.is_tied(cfg) else (fill_name(rule.hf, layer),)
+                else:
+                    sources = outputs = tuple(fill_name(s, layer, expert) for s in rule.sources)
+                bound.append(BoundRule(rule, layer, fill_name(rule.megatron, layer, expert), sources, outputs,
+                                       expert))
     return bound
 
 
@@ -154,12 +164,18 @@ def rules_for_stage(bound: list[BoundRule], cfg: ModelConfig, pp_rank: int, pp_s
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 
-def canonical_megatron_name(name: str, layer_offset: int = 0) -> str:
-    """Canonical (local-spec, global-layer) name of a live parameter name.
+_LOCAL_EXPERT_RE = re.compile(r"\.local_experts\.(\d+)\.")
+
+
+def canonical_megatron_name(name: str, layer_offset: int = 0, expert_offset: int = 0) -> str:
+    """Canonical (local-spec, global-layer, global-expert) name of a live parameter name.
 
     Strips DDP/Float16 wrappers (``module.``), maps TE fused-norm names to the local-spec names and
-    shifts the stage-local layer number by ``layer_offset`` (Megatron numbers layers per PP stage).
+    shifts the stage-local layer number by ``layer_offset`` (Megatron numbers layers per PP stage) and an
+    EP-rank-local expert index by ``expert_offset`` (``ep_rank * num_experts / ep``).
     """
+    if expert_offset:
+        name = _LOCAL_EXPERT_RE.sub(lambda m: f".local_experts.{int(m.group(1)) + expert_offset}.", name, count=1)
     while name.startswith("module."):
         name = name[len("module."):]
     match = _LAYER_RE.match(name)
@@ -266,42 +282,73 @@ def tensor_reader(tensors: Mapping[str, torch.Tensor]) -> Reader:
 # stage-local layer numbers, exactly as a live Megatron model names its parameters (local spec).
 
 
-def local_name(rule: BoundRule, cfg: ModelConfig, pp_rank: int, pp_size: int) -> str:
+def experts_per_rank(cfg: ModelConfig, ep_size: int) -> int:
+    if not cfg.num_experts or cfg.num_experts % ep_size:
+        raise ValueError(f"{cfg.name}: num_experts {cfg.num_experts} is not divisible by expert-parallel size "
+                         f"{ep_size}; choose an expert-parallel size that divides it")
+    return cfg.num_experts // ep_size
+
+
+def expert_rank(rule: BoundRule, cfg: ModelConfig, ep_size: int) -> int | None:
+    """The expert-parallel rank that holds ``rule``'s expert (None: not an expert rule, every rank)."""
+    return None if rule.expert is None else rule.expert // experts_per_rank(cfg, ep_size)
+
+
+def local_name(rule: BoundRule, cfg: ModelConfig, pp_rank: int, pp_size: int, ep_size: int = 1) -> str:
+    """The name a live model gives ``rule``'s parameter: stage-local layer, and EP-rank-local expert index."""
     if rule.layer is None:
         return rule.megatron
     offset = stage_layers(cfg, pp_rank, pp_size).start
-    return rule.megatron.replace(f"decoder.layers.{rule.layer}.", f"decoder.layers.{rule.layer - offset}.", 1)
+    name = rule.megatron.replace(f"decoder.layers.{rule.layer}.", f"decoder.layers.{rule.layer - offset}.", 1)
+    if rule.expert is not None:
+        local = rule.expert % experts_per_rank(cfg, ep_size)
+        name = name.replace(f".local_experts.{rule.expert}.", f".local_experts.{local}.", 1)
+    return name
+
+
+RankKey = tuple[int, ...]  # (pp_rank, tp_rank), or (pp_rank, tp_rank, ep_rank) with expert parallelism
 
 
 def hf_to_megatron_states(hf: Mapping[str, torch.Tensor], cfg: ModelConfig, tp_size: int,
-                          pp_size: int) -> dict[tuple[int, int], dict[str, torch.Tensor]]:
-    """``{(pp_rank, tp_rank): {megatron_name: shard}}`` for every rank (tied output kept on PP>1)."""
+                          pp_size: int, ep_size: int = 1) -> dict[RankKey, dict[str, torch.Tensor]]:
+    """``{(pp_rank, tp_rank): {megatron_name: shard}}`` for every rank (tied output kept on PP>1).
+
+    With ``ep_size > 1`` the keys are ``(pp_rank, tp_rank, ep_rank)``: each EP rank holds its
+    ``num_experts / ep_size`` experts (expert tensor parallelism equal to ``tp_size``, Megatron's default)
+    and a copy of everything else.
+    """
     bound = bind_table(cfg)
     check_hf_coverage(bound, hf.keys(), "HF state dict")
     check_hf_shapes(bound, cfg, {k: tuple(v.shape) for k, v in hf.items()}, "HF state dict")
     read = tensor_reader(hf)
-    states: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+    states: dict[RankKey, dict[str, torch.Tensor]] = {}
     for pp_rank in range(pp_size):
         for rule in rules_for_stage(bound, cfg, pp_rank, pp_size):
             if is_shared_output(rule, cfg, pp_size):
                 continue
+            owner = expert_rank(rule, cfg, ep_size)
             for tp_rank in range(tp_size):
-                states.setdefault((pp_rank, tp_rank), {})[local_name(rule, cfg, pp_rank, pp_size)] = (
-                    rule.read_shard(read, cfg, tp_rank, tp_size).clone())
+                shard = rule.read_shard(read, cfg, tp_rank, tp_size)
+                for ep_rank in range(ep_size):
+                    if owner is None or owner == ep_rank:
+                        key = (pp_rank, tp_rank) if ep_size == 1 else (pp_rank, tp_rank, ep_rank)
+                        states.setdefault(key, {})[local_name(rule, cfg, pp_rank, pp_size, ep_size)] = shard.clone()
     return states
 
 
-def megatron_states_to_hf(states: Mapping[tuple[int, int], Mapping[str, torch.Tensor]], cfg: ModelConfig,
-                          tp_size: int, pp_size: int) -> dict[str, torch.Tensor]:
+def megatron_states_to_hf(states: Mapping[RankKey, Mapping[str, torch.Tensor]], cfg: ModelConfig,
+                          tp_size: int, pp_size: int, ep_size: int = 1) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`hf_to_megatron_states` (non-expert tensors are read from EP rank 0)."""
     bound = bind_table(cfg)
     out: dict[str, torch.Tensor] = {}
     for pp_rank in range(pp_size):
         for rule in rules_for_stage(bound, cfg, pp_rank, pp_size):
             if not rule.hf_outputs:
                 continue
-            name = local_name(rule, cfg, pp_rank, pp_size)
-            shards = [states[(pp_rank, tp_rank)][name] for tp_rank in range(tp_size)]
-            out.update(rule.to_hf(unshard(rule.shard, shards), cfg))
+            name = local_name(rule, cfg, pp_rank, pp_size, ep_size)
+            ep_rank = expert_rank(rule, cfg, ep_size) or 0
+            keys = [(pp_rank, tp_rank) if ep_size == 1 else (pp_rank, tp_rank, ep_rank) for tp_rank in range(tp_size)]
+            out.update(rule.to_hf(unshard(rule.shard, [states[key][name] for key in keys]), cfg))
     return out
 
 

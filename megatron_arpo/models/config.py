@@ -42,6 +42,11 @@ class ParallelDefaults:
     rollout_tensor_parallel: int = 1
 
 
+# The ModelConfig fields of a mixture-of-experts model (None in dense families), in config.json order.
+MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+              "router_aux_loss_coef", "decoder_sparse_step", "mlp_only_layers")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The architecture of one model, with HF field names."""
@@ -69,6 +74,20 @@ class ModelConfig:
     # Megatron pads the embedding rows to a multiple of this times the tensor-parallel size.
     make_vocab_size_divisible_by: int = 128
     defaults: ParallelDefaults = field(default_factory=ParallelDefaults)
+    # Mixture of experts (qwen3_moe); None in dense families. HF names: routed experts per MoE layer,
+    # experts per token, each expert's FFN width, top-k weights renormalised, load-balancing loss weight,
+    # and which layers are MoE (every decoder_sparse_step-th layer not in mlp_only_layers).
+    num_experts: int | None = None
+    num_experts_per_tok: int | None = None
+    moe_intermediate_size: int | None = None
+    norm_topk_prob: bool | None = None
+    router_aux_loss_coef: float | None = None
+    decoder_sparse_step: int | None = None
+    mlp_only_layers: tuple[int, ...] | None = None
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts is not None
 
     @property
     def num_query_groups(self) -> int:

@@ -20,14 +20,26 @@ YAML and tests).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+from megatron_arpo.models.config import MOE_FIELDS
 
 if TYPE_CHECKING:
     from megatron_arpo.models.config import ModelConfig
     from megatron_arpo.models.rules import Rule
 
 LAYER = "{layer}"
+EXPERT = "{expert}"
+
+
+def _yaml_value(value: Any) -> str:
+    return json.dumps(list(value) if isinstance(value, tuple) else value)
+
+
+def _shown(value: Any) -> str:
+    return str(list(value) if isinstance(value, tuple) else value)
 
 
 def _no_fields(cfg: ModelConfig) -> Mapping[str, Any]:
@@ -59,14 +71,31 @@ class ModelFamily:
     head_dim_derived: bool = False
     # RoPE scaling types (``rope_scaling.rope_type``) this family supports besides plain RoPE.
     rope_types: tuple[str, ...] = ()
+    # Mixture of experts: the model config must set every MoE field (models.config.MOE_FIELDS); a dense
+    # family must set none of them.
+    moe: bool = False
+    # TransformerConfig keywords computed from the model config (the MoE router, experts and dispatcher).
+    moe_transformer_config: Callable[[ModelConfig], Mapping[str, Any]] = _no_fields
+    # Values transformers' config class assumes for keys a config.json may omit (Qwen3-MoE's
+    # norm_topk_prob defaults to false there, though every release writes true).
+    hf_defaults: Mapping[str, Any] = field(default_factory=dict)
 
     def check(self, cfg: ModelConfig, where: str) -> None:
         """Refuse a model config this family cannot build, naming the key and the fix."""
         for key, implied in self.implicit_fields.items():
             if getattr(cfg, key) != implied:
                 raise ValueError(
-                    f"{where}: model_type {cfg.model_type!r} always has {key}={implied}, but the config says "
-                    f"{getattr(cfg, key)}; set {key}: {str(implied).lower()}")
+                    f"{where}: model_type {cfg.model_type!r} always has {key}={_shown(implied)}, but the config "
+                    f"says {_shown(getattr(cfg, key))}; set {key}: {_yaml_value(implied)}")
+        unset = [key for key in MOE_FIELDS if getattr(cfg, key) is None]
+        if self.moe and unset:
+            raise ValueError(f"{where}: model_type {cfg.model_type!r} is a mixture-of-experts model and needs "
+                             f"{unset}; copy them from the checkpoint's config.json")
+        if not self.moe and len(unset) < len(MOE_FIELDS):
+            set_keys = [key for key in MOE_FIELDS if key not in unset]
+            raise ValueError(f"{where}: model_type {cfg.model_type!r} is a dense model, but the config sets the "
+                             f"mixture-of-experts field(s) {set_keys}; remove them, or use the MoE model_type "
+                             f"(qwen3_moe) if the checkpoint has experts")
         if self.head_dim_derived and cfg.head_dim * cfg.num_attention_heads != cfg.hidden_size:
             raise ValueError(
                 f"{where}: {cfg.model_type} derives head_dim from hidden_size/num_attention_heads = "
@@ -87,21 +116,27 @@ class ModelFamily:
                     f"{want!r} only; this checkpoint's architecture is not supported")
 
     def hf_tensor_shapes(self, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-        """Every HF tensor of a checkpoint of ``cfg``, layer by layer (embedding first), with its shape."""
+        """Every HF tensor of a checkpoint of ``cfg``, layer by layer (embedding first; within a layer, expert
+        by expert), with its shape."""
         layer_rules = [rule for rule in self.table if LAYER in rule.megatron]
         head = [rule for rule in self.table if LAYER not in rule.megatron and rule.megatron.startswith("embedding.")]
         tail = [rule for rule in self.table if LAYER not in rule.megatron and rule not in head]
         out: dict[str, tuple[int, ...]] = {}
 
-        def add(rule: Rule, layer: int | None) -> None:
+        def add(rule: Rule, layer: int | None, expert: int | None = None) -> None:
             for name, shape in rule.hf_shapes(cfg).items():
-                out.setdefault(name if layer is None else name.replace(LAYER, str(layer)), shape)
+                name = name if layer is None else name.replace(LAYER, str(layer))
+                out.setdefault(name if expert is None else name.replace(EXPERT, str(expert)), shape)
 
         for rule in head:
             add(rule, None)
         for layer in range(cfg.num_hidden_layers):
             for rule in layer_rules:
-                add(rule, layer)
+                if EXPERT in rule.megatron:
+                    for expert in range(cfg.num_experts or 0):
+                        add(rule, layer, expert)
+                else:
+                    add(rule, layer)
         for rule in tail:
             add(rule, None)
         return out

@@ -2,7 +2,8 @@
 
 A family's mapping table (``megatron_arpo/models/<family>.py``, ``FAMILY.table``) is an immutable tuple of
 these rules. Each rule names one Megatron parameter (canonical local-spec name, ``{layer}`` standing for the
-global layer index) and the HF tensor(s) it is built from, and knows three things:
+global layer index and, in mixture-of-experts tables, ``{expert}`` for the global expert index) and the HF
+tensor(s) it is built from, and knows three things:
 
 - how to build *one tensor-parallel shard* of the Megatron parameter from the HF tensors, reading only
   the rows/columns that shard needs (``read_shard``);
@@ -20,7 +21,8 @@ The typed transforms:
   ``[q heads of group 0, k0, v0, q heads of group 1, k1, v1, ...]`` with an explicit ``head_dim``
   (Qwen3's head_dim is not hidden/heads), and split across TP by groups. Weight and bias (qwen2).
 - ``FusedGateUp``: ``linear_fc1`` stacks gate and up; each TP shard is ``[gate shard; up shard]``, so
-  the full (TP=1) tensor is ``[gate; up]`` and a TP shard is *not* a contiguous slice of it.
+  the full (TP=1) tensor is ``[gate; up]`` and a TP shard is *not* a contiguous slice of it. The same
+  rule maps each routed expert's gate/up (``ffn="moe_ffn"``: the expert's own width).
 - ``VocabEmbedding``: embedding/output rows padded to ``padded_vocab_size(tp)`` (zeros) on import and
   trimmed on export, split vocab-parallel along rows. With ``tie_word_embeddings`` the output layer
   reads ``model.embed_tokens.weight`` and exports nothing (HF tied checkpoints have no lm_head).
@@ -42,6 +44,7 @@ if TYPE_CHECKING:
     from megatron_arpo.models.config import ModelConfig
 
 LAYER = "{layer}"
+EXPERT = "{expert}"
 
 
 class Shard(enum.Enum):
@@ -64,6 +67,8 @@ def dims(cfg: ModelConfig) -> dict[str, int]:
     return {
         "hidden": cfg.hidden_size,
         "ffn": cfg.intermediate_size,
+        "moe_ffn": cfg.moe_intermediate_size or 0,
+        "experts": cfg.num_experts or 0,
         "vocab": cfg.vocab_size,
         "head_dim": cfg.head_dim,
         "q_dim": cfg.num_attention_heads * cfg.head_dim,
@@ -191,32 +196,36 @@ class FusedQKV:
 
 @dataclass(frozen=True)
 class FusedGateUp:
-    """gate_proj/up_proj -> Megatron ``linear_fc1``; each TP shard is ``[gate shard; up shard]``."""
+    """gate_proj/up_proj -> Megatron ``linear_fc1``; each TP shard is ``[gate shard; up shard]``.
+
+    ``ffn`` names the width (a key of :func:`dims`): ``ffn`` for a dense MLP, ``moe_ffn`` for an expert.
+    """
 
     megatron: str
     gate: str
     up: str
     shard: Shard = Shard.GATED
+    ffn: str = "ffn"
 
     @property
     def sources(self) -> tuple[str, ...]:
         return (self.gate, self.up)
 
     def hf_shapes(self, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-        shape = (cfg.intermediate_size, cfg.hidden_size)
+        shape = (dims(cfg)[self.ffn], cfg.hidden_size)
         return {self.gate: shape, self.up: shape}
 
     def megatron_shape(self, cfg: ModelConfig, tp_size: int) -> tuple[int, ...]:
-        return (2 * cfg.intermediate_size, cfg.hidden_size)
+        return (2 * dims(cfg)[self.ffn], cfg.hidden_size)
 
     def read_shard(self, read: Reader, cfg: ModelConfig, tp_rank: int, tp_size: int) -> torch.Tensor:
         import torch
 
-        start, stop = _split_range(cfg.intermediate_size, tp_rank, tp_size, self.megatron)
+        start, stop = _split_range(dims(cfg)[self.ffn], tp_rank, tp_size, self.megatron)
         return torch.cat([read(self.gate, 0, start, stop), read(self.up, 0, start, stop)], dim=0)
 
     def hf_row_blocks(self, cfg: ModelConfig) -> dict[str, list[RowBlock]]:
-        ffn = cfg.intermediate_size
+        ffn = dims(cfg)[self.ffn]
         return {self.gate: [(0, ffn, 0)], self.up: [(ffn, ffn, 0)]}
 
     def to_hf(self, full: torch.Tensor, cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -301,12 +310,25 @@ QK_NORM = (
     Copy(_L + "self_attention.q_layernorm.weight", _H + "self_attn.q_norm.weight", ("head_dim",)),
     Copy(_L + "self_attention.k_layernorm.weight", _H + "self_attn.k_norm.weight", ("head_dim",)),
 )
-ATTENTION_OUT_MLP = (
+ATTENTION_OUT = (
     Copy(_L + "self_attention.linear_proj.weight", _H + "self_attn.o_proj.weight", ("hidden", "q_dim"),
          Shard.ROW),
     Copy(_L + "pre_mlp_layernorm.weight", _H + "post_attention_layernorm.weight", ("hidden",)),
+)
+ATTENTION_OUT_MLP = ATTENTION_OUT + (
     FusedGateUp(_L + "mlp.linear_fc1.weight", _H + "mlp.gate_proj.weight", _H + "mlp.up_proj.weight"),
     Copy(_L + "mlp.linear_fc2.weight", _H + "mlp.down_proj.weight", ("hidden", "ffn"), Shard.ROW),
+)
+# A mixture-of-experts MLP without shared experts (Qwen3-MoE): the router (HF ``mlp.gate``, replicated
+# over TP) and each routed expert's SwiGLU MLP. Megatron's SequentialMLP names an expert by its index on
+# its expert-parallel rank (``local_experts.<i>``); the table's ``{expert}`` is the global index
+# (mapping.local_name converts, as it does for pipeline-local layer numbers).
+_E = _L + "mlp.experts.local_experts.{expert}."
+_HE = _H + "mlp.experts.{expert}."
+ROUTED_EXPERTS = (
+    Copy(_L + "mlp.router.weight", _H + "mlp.gate.weight", ("experts", "hidden")),
+    FusedGateUp(_E + "linear_fc1.weight", _HE + "gate_proj.weight", _HE + "up_proj.weight", ffn="moe_ffn"),
+    Copy(_E + "linear_fc2.weight", _HE + "down_proj.weight", ("hidden", "moe_ffn"), Shard.ROW),
 )
 FINAL = (
     Copy("decoder.final_layernorm.weight", "model.norm.weight", ("hidden",)),

