@@ -27,13 +27,10 @@ send, the engines receive, the driver coordinates): ``init_weight_transfer_engin
 receiver is the backend named by ``EngineConfig.weight_transfer`` (megatron_arpo.weight_sync.receivers).
 Between start and finish the model is a mix of old and new weights: ``generate`` refuses to run then.
 
-Weights in flight (``start_weight_update(keep_in_flight=True)``): the engine pauses at a step boundary with
-its requests kept, the way vLLM's ``AsyncLLM.pause_generation(mode="keep")`` does: the core's scheduler is
-set to schedule nothing (``pause_scheduler``), the outputs of the steps already run are read, and the
-requests keep their KV blocks (``clear_cache=True`` preempts them instead, to be recomputed on the new
-weights). New requests wait until ``finish_weight_update(version)`` labels the weights and resumes. Each
-output token carries the policy version of the step that sampled it (``SegmentOutput.token_versions``,
-from vLLM's per-step weight-version label).
+Weights in flight (``start_weight_update(keep_in_flight=True)``, docs/weight_sync.md): the engine pauses at a
+step boundary with its requests and their KV kept, as vLLM's ``AsyncLLM.pause_generation(mode="keep")`` does;
+new requests wait until ``finish_weight_update(version)`` resumes. Each token carries the policy version of
+the step that sampled it (``SegmentOutput.token_versions``, from vLLM's per-step weight-version label).
 
 Sleep (colocated placement, ``megatron_arpo.trainer.phases``): ``sleep(level)`` releases the KV cache and
 the weights (level 1 to host memory, level 2 dropped); ``wake_up(["weights"])`` before a sync,
@@ -626,10 +623,9 @@ class VllmEngine:
         await self._on_engine_thread(lambda: self._llm.init_weight_transfer_engine({"init_info": init_info}))
 
     async def start_weight_update(self, keep_in_flight: bool = False, clear_cache: bool = False) -> None:
-        """Begin a weight update. Default: the engine must be idle. ``keep_in_flight``: pause at the next
-        step boundary with the requests in flight kept (their KV cache too; ``clear_cache`` preempts them
-        and empties the prefix cache instead, so they are recomputed on the new weights); requests that
-        arrive meanwhile wait. ``finish_weight_update`` resumes."""
+        """Begin a weight update on an idle engine, or with ``keep_in_flight`` pause at the next step boundary
+        with the requests in flight and their KV kept (``clear_cache``: preempted, to be recomputed on the
+        new weights); requests that arrive meanwhile wait. ``finish_weight_update`` resumes."""
         if clear_cache and not keep_in_flight:
             raise ValueError(f"engine {self.engine_index}: clear_cache applies to keep_in_flight=True only; a "
                              "default update runs on an idle engine and the sync resets the prefix cache after it")
@@ -749,7 +745,7 @@ class VllmEngine:
         return {"engine_index": self.engine_index, "ok": self._error is None,
                 "error": None if self._error is None else repr(self._error),
                 "in_flight": len(self._futures), "max_model_len": self.max_model_len,
-                "asleep": sorted(self._asleep)}
+                "asleep": sorted(self._asleep), "paused": self._paused, "policy_version": self._version}
 
     async def shutdown(self) -> None:
         """Stop stepping and release the vLLM engine core (its KV cache memory); the object is unusable after."""

@@ -259,16 +259,17 @@ def test_engine_starts_after_llvmlite_was_loaded(tmp_path):
 def test_weights_in_flight_pause_a_long_generation_and_resume_it_on_new_weights(engine, tokenizer, ckpt, clear_cache):
     """start_weight_update(keep_in_flight=True) mid-generation: the request is kept, not aborted; its tokens
     before the pause are the old model's greedy tokens (version v0), those after it come from the new
-    weights (the tied embedding zeroed: uniform log-probs) and carry the new version; a request submitted
+    weights (the final norm zeroed: zero logits whatever the kept KV holds, so uniform log-probs) and carry
+    the new version; a request submitted
     during the pause waits and completes on the new weights. ``clear_cache`` preempts the kept requests
     (recomputed on the new weights) instead of keeping their KV blocks."""
     from safetensors.torch import load_file
 
-    name = "model.embed_tokens.weight"
+    name = "model.norm.weight"
     original = load_file(str(ckpt / "model.safetensors"))[name]
     prompt = prompts(tokenizer)[2].token_ids
     allowed = tokenizer.encode("x y z", add_special_tokens=False)  # no EOS: every request runs to max_tokens
-    uniform = -math.log(original.shape[0])
+    uniform = -math.log(1000)   # the tiny model's vocabulary
 
     def request(tag, max_tokens):
         return engine.generate(SegmentRequest(tag, prompt, max_tokens=max_tokens, temperature=0.0, logprobs=0,
