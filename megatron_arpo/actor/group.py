@@ -222,8 +222,14 @@ class ActorGroup:
         return self.workers.call_all("load", str(path),
                                      timeout=self.timeouts.save_s if timeout is None else timeout)[0]
 
-    def sync_weights(self, engines: Any, *, verify: Optional[bool] = None, timeout: Optional[float] = None) -> dict:
+    def sync_weights(self, engines: Any, *, verify: Optional[bool] = None, timeout: Optional[float] = None,
+                     keep_in_flight: bool = False, version: Optional[int] = None) -> dict:
         """Send the current weights into ``engines`` (a RolloutGroup, actor handles or EngineRefs); the report.
+
+        ``keep_in_flight``: the engines pause their requests at a step boundary instead of needing to be idle,
+        and resume them on the new weights (no prefix-cache reset: the paused requests hold their blocks);
+        ``version``: the engines' policy version after the sync (None: one more than before). See
+        docs/weight_sync.md.
 
         ``verify`` (default: ``rollout.verify_sync``, see `verifies_sync`) checksums a sample of the tensors on
         both sides. Raises `WeightSyncError` (one line naming the engine) when an engine dies or fails, or a check
@@ -232,17 +238,19 @@ class ActorGroup:
         r = self.cfg.rollout
         timeout = self.timeouts.sync_s if timeout is None else timeout
         refs = ws.engine_refs(engines)
+        start_kwargs, finish_kwargs = ws.in_flight_kwargs(keep_in_flight, version)
         if self._sync is None or [e.target for e in self._sync.engines] != [e.target for e in refs]:
-            self._open_sync(refs, timeout)
+            self._open_sync(refs, timeout, keep_in_flight)
         verify = verifies_sync(r.verify_sync, self._syncs_done) if verify is None else verify
         sync_id = ws.next_sync_id()
         start = time.perf_counter()
         args = (sync_id, int(r.sync_bucket_mb * 2**20), VERIFY_FRACTION if verify else 0.0)
         try:
-            ws.call_engines(refs, "start_weight_update", timeout=timeout)
+            ws.call_engines(refs, "start_weight_update", timeout=timeout, kwargs=start_kwargs)
             senders = self._call_senders("send_weights", *args, timeout=timeout)
-            engine_reports = ws.call_engines(refs, "finish_weight_update", timeout=timeout)
-            ws.call_engines(refs, "reset_prefix_cache", timeout=timeout)
+            engine_reports = ws.call_engines(refs, "finish_weight_update", timeout=timeout, kwargs=finish_kwargs)
+            if not keep_in_flight:
+                ws.call_engines(refs, "reset_prefix_cache", timeout=timeout)
         except Exception:
             # The transfer group may hold a dead engine or a half-sent bucket: the next sync forms a new one
             # (the ranks leave this one when they reserve the next: ActorSync.reserve).
@@ -260,7 +268,7 @@ class ActorGroup:
                     report["bytes"] / 2**20, len(refs), report["seconds"], len(report["verified_after_load"]))
         return report
 
-    def _open_sync(self, refs: list, timeout: float) -> None:
+    def _open_sync(self, refs: list, timeout: float, keep_in_flight: bool = False) -> None:
         """Form the transfer group: the stage senders' endpoints, the engines' rank offsets, both sides joining."""
         self.close_sync()
         infos = ws.call_engines(refs, "weight_transfer_info", timeout=timeout)
@@ -278,7 +286,9 @@ class ActorGroup:
             if reserved is not None:
                 endpoints[reserved[0]] = tuple(reserved[1])
         session = ws.SyncSession(transport, refs, [i["world_size"] for i in infos], offsets, world, endpoints)
-        joining = [e.call("init_weight_transfer_engine", info) for e, info in zip(refs, session.init_infos(timeout))]
+        init_kwargs = {"keep_in_flight": True} if keep_in_flight else {}  # may join while requests run
+        joining = [e.call("init_weight_transfer_engine", info, **init_kwargs)
+                   for e, info in zip(refs, session.init_infos(timeout))]
         opening = self.workers.submit_all("open_weight_sync", refs, world, timeout, timeout=timeout)
         ws.wait_engines(joining, refs, "init_weight_transfer_engine", timeout)
         self._sender_result(opening)

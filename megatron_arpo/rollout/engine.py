@@ -27,6 +27,11 @@ send, the engines receive, the driver coordinates): ``init_weight_transfer_engin
 receiver is the backend named by ``EngineConfig.weight_transfer`` (megatron_arpo.weight_sync.receivers).
 Between start and finish the model is a mix of old and new weights: ``generate`` refuses to run then.
 
+Weights in flight (``start_weight_update(keep_in_flight=True)``, docs/weight_sync.md): the engine pauses at a
+step boundary with its requests and their KV kept, as vLLM's ``AsyncLLM.pause_generation(mode="keep")`` does;
+new requests wait until ``finish_weight_update(version)`` resumes. Each token carries the policy version of
+the step that sampled it (``SegmentOutput.token_versions``, from vLLM's per-step weight-version label).
+
 Sleep (colocated placement, ``megatron_arpo.trainer.phases``): ``sleep(level)`` releases the KV cache and
 the weights (level 1 to host memory, level 2 dropped); ``wake_up(["weights"])`` before a sync,
 ``wake_up(["kv_cache"])`` after it. A sleeping engine refuses requests, and weight loads while its
@@ -121,6 +126,9 @@ class SegmentOutput:
     stop_reason: Optional[int | str]       # the stop token id / string, None for length
     num_prompt_tokens: int
     num_cached_tokens: int                 # prompt tokens served from the prefix cache
+    # the engine's policy version at the step that sampled each token (parallel to token_ids); a request
+    # that spans a weight update in flight holds two versions
+    token_versions: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -249,6 +257,19 @@ def _flatten(positions: Sequence[Optional[dict]]) -> SimpleNamespace:
     return out
 
 
+def expand_token_versions(spans: Optional[Sequence[Any]], num_tokens: int, fallback: int) -> list[int]:
+    """One policy version per output token from vLLM's ``WeightVersionSpan`` list (``version`` label,
+    ``[start, end)``). No spans (no label reported) or spans that do not cover the tokens: ``fallback``."""
+    if not spans:
+        return [fallback] * num_tokens
+    out: list[int] = []
+    for span in spans:
+        if span.start != len(out):
+            return [fallback] * num_tokens
+        out.extend([int(span.version)] * (span.end - span.start))
+    return out if len(out) == num_tokens else [fallback] * num_tokens
+
+
 def guard_llvmlite_for_vllm() -> None:
     """Make llvmlite's C-library wrapper answer dunder lookups honestly before vLLM starts an engine.
 
@@ -338,6 +359,8 @@ class VllmEngine:
         start = time.monotonic()
         self._llm = LLM(**kwargs)
         self._engine = self._llm.llm_engine
+        self._version = 0   # the policy version of the loaded weights (finish_weight_update sets it)
+        self._engine.set_weight_version(str(self._version))  # vLLM labels every step's tokens with it
         self.max_model_len = int(self._llm.llm_engine.model_config.max_model_len)
         self._padded_bias = self._padded_row_bias()
         cache = self._engine.vllm_config.cache_config
@@ -354,6 +377,7 @@ class VllmEngine:
         self._error: Optional[BaseException] = None
         self._asleep: set[str] = set()   # vLLM memory tags released by sleep() and not yet woken
         self._updating: Optional[str] = None   # set between start_weight_update and a finished update
+        self._paused = False   # start_weight_update(keep_in_flight=True) until finish_weight_update resumes
         self._stats = {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0,
                        "steps": 0, "max_in_flight": 0}
 
@@ -387,7 +411,7 @@ class VllmEngine:
             raise RuntimeError(f"engine {self.engine_index} is asleep ({', '.join(sorted(self._asleep))} released): "
                                f"request {request.request_id} needs it awake; the trainer wakes the engines before a "
                                f"rollout (megatron_arpo.trainer.phases)")
-        if self._updating is not None:
+        if self._updating is not None and not self._paused:  # paused: the request waits for the resume
             raise RuntimeError(f"engine {self.engine_index} holds a partial weight update ({self._updating}): its "
                                "weights are a mix of two versions; finish a weight sync before generating")
         if request.max_tokens < 1:
@@ -427,7 +451,9 @@ class VllmEngine:
     async def _stepping_loop(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            if not self._futures and not self._to_abort:
+            # Paused for a weight update in flight: no step until finish_weight_update resumes (new requests
+            # and aborts wait in _to_add / _to_abort).
+            if self._paused or (not self._futures and not self._to_abort):
                 self._wake.clear()
                 await self._wake.wait()
                 continue
@@ -443,10 +469,7 @@ class VllmEngine:
                         fut.set_exception(RuntimeError(f"engine {self.engine_index} step failed: {exc!r}"))
                 self._futures.clear()
                 return
-            for rid, out in finished:
-                fut = self._futures.pop(rid, None)
-                if fut is not None and not fut.done():
-                    fut.set_result(out)
+            self._resolve(finished)
             if not finished and self._futures and not self._to_add and not await loop.run_in_executor(
                     self._thread, self._engine.has_unfinished_requests):
                 # Requests are awaited that vLLM no longer knows: fail them instead of spinning forever.
@@ -481,11 +504,10 @@ class VllmEngine:
         if not self._engine.has_unfinished_requests():
             return []
         self._stats["steps"] += 1
-        done = []
-        for out in self._engine.step():
-            if out.finished:
-                done.append((out.request_id, self._convert(out)))
-        return done
+        return self._finished(self._engine.step())
+
+    def _finished(self, outputs: Sequence[Any]) -> list[tuple[str, SegmentOutput]]:
+        return [(out.request_id, self._convert(out)) for out in outputs if out.finished]
 
     def _convert(self, out: Any) -> SegmentOutput:
         comp = out.outputs[0]
@@ -524,13 +546,16 @@ class VllmEngine:
             stop_reason=comp.stop_reason,
             num_prompt_tokens=num_prompt,
             num_cached_tokens=cached,
+            # vLLM labels each step's tokens with the version set before it ran (finish_weight_update)
+            token_versions=expand_token_versions(getattr(comp, "weight_versions", None), len(token_ids),
+                                                 self._version),
         )
 
     async def _on_engine_thread(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
 
     def _require_idle(self, what: str) -> None:
-        if self._futures:
+        if self._futures and not self._paused:  # paused: the requests are frozen for this update
             raise RuntimeError(f"engine {self.engine_index}: {what} with {len(self._futures)} requests in "
                                "flight; finish the rollout before syncing weights")
 
@@ -546,6 +571,9 @@ class VllmEngine:
         way. Requests still in flight (a cancelled rollout's) are aborted."""
         if level not in (1, 2):
             raise ValueError(f"engine {self.engine_index}: sleep level {level}; allowed: 1, 2 (rollout.sleep_level)")
+        if self._paused:
+            raise RuntimeError(f"engine {self.engine_index} is paused for a weight update in flight; "
+                               "finish_weight_update resumes it before it can sleep")
         if self._asleep:
             raise RuntimeError(f"engine {self.engine_index} is already asleep ({', '.join(sorted(self._asleep))})")
         # Requests still here belong to a rollout the driver cancelled (a stop request): they fail now, and
@@ -585,17 +613,66 @@ class VllmEngine:
         return {"engine_index": self.engine_index, "world_size": int(config.world_size),
                 "transport": self.cfg.weight_transfer}
 
-    async def init_weight_transfer_engine(self, init_info: dict) -> None:
-        """Join the senders' transfer group(s); blocks until the senders join too."""
-        self._require_idle("init_weight_transfer_engine")
+    async def init_weight_transfer_engine(self, init_info: dict, keep_in_flight: bool = False) -> None:
+        """Join the senders' transfer group(s); blocks until the senders join too. ``keep_in_flight``: the
+        first sync of an off-policy run may open the group while requests run (the join only creates the
+        workers' process group, between steps; stepping waits for it)."""
+        if not keep_in_flight:
+            self._require_idle("init_weight_transfer_engine")
         self._require_weights("init_weight_transfer_engine")
         await self._on_engine_thread(lambda: self._llm.init_weight_transfer_engine({"init_info": init_info}))
 
-    async def start_weight_update(self) -> None:
-        self._require_idle("start_weight_update")
+    async def start_weight_update(self, keep_in_flight: bool = False, clear_cache: bool = False) -> None:
+        """Begin a weight update on an idle engine, or with ``keep_in_flight`` pause at the next step boundary
+        with the requests in flight and their KV kept (``clear_cache``: preempted, to be recomputed on the
+        new weights); requests that arrive meanwhile wait. ``finish_weight_update`` resumes."""
+        if clear_cache and not keep_in_flight:
+            raise ValueError(f"engine {self.engine_index}: clear_cache applies to keep_in_flight=True only; a "
+                             "default update runs on an idle engine and the sync resets the prefix cache after it")
         self._require_weights("start_weight_update")
+        if keep_in_flight and not self._paused:  # already paused: a failed update's retry
+            self._paused = True   # the stepping loop submits no step after the one running now
+            finished = await self._on_engine_thread(self._pause_core, clear_cache)
+            self._resolve(finished)
+            logger.info("engine %d: paused for a weight update with %d requests in flight%s", self.engine_index,
+                        len(self._futures), " (caches cleared)" if clear_cache else "")
+        self._require_idle("start_weight_update")
         self._updating = "started, not finished"
         await self._on_engine_thread(self._llm.start_weight_update)
+
+    def _pause_core(self, clear_cache: bool) -> list[tuple[str, SegmentOutput]]:
+        """On the engine thread, at a step boundary: the core schedules nothing more (vLLM's ``keep`` pause,
+        which answers once the core is idle) and the outputs it sent before are read; the finished ones
+        are returned. Plain-data arguments: the core may run in a subprocess (msgpack)."""
+        core = self._engine.engine_core
+        if hasattr(core, "call_utility"):   # the core in its subprocess (vLLM's default multiprocessing)
+            core.call_utility("pause_scheduler", "keep", clear_cache)
+        else:                               # VLLM_ENABLE_V1_MULTIPROCESSING=0: the core in this process
+            core.engine_core.pause_scheduler(mode="keep", clear_cache=clear_cache)
+        done: list[tuple[str, SegmentOutput]] = []
+        # The core's outputs and the pause's answer share one ordered socket: every step's outputs are
+        # queued by the time the answer arrived. step() blocks on an empty queue, so read only what is there.
+        pending = getattr(core, "outputs_queue", None)
+        while pending is not None and not pending.empty():
+            done.extend(self._finished(self._engine.step()))
+        return done
+
+    def _resume_core(self) -> None:
+        core = self._engine.engine_core
+        if hasattr(core, "call_utility"):
+            core.call_utility("resume_scheduler")
+        else:
+            core.engine_core.resume_scheduler()
+
+    def _resolve(self, finished: Sequence[tuple[str, SegmentOutput]]) -> None:
+        for rid, out in finished:
+            fut = self._futures.pop(rid, None)
+            if fut is not None and not fut.done():
+                fut.set_result(out)
+
+    async def policy_version(self) -> int:
+        """The policy version of the weights the engine samples with (``finish_weight_update`` sets it)."""
+        return self._version
 
     async def update_weights(self, update_info: dict) -> int:
         """One bucket, received from the sender and loaded in place by every worker."""
@@ -609,15 +686,26 @@ class VllmEngine:
         self._updating = f"loaded up to bucket {update_info.get('bucket')} of stage {update_info.get('stage')}"
         return len(update_info.get("names", ()))
 
-    async def finish_weight_update(self) -> dict[str, Any]:
-        """Finish the layerwise reload and check the verify sample; the workers' reports merged.
+    async def finish_weight_update(self, version: Optional[int] = None) -> dict[str, Any]:
+        """Finish the layerwise reload and check the verify sample; the workers' reports merged. Then the
+        engine's policy version becomes ``version`` (None: one more than before) and a paused engine resumes.
 
         ``loaded``: distinct tensors every worker loaded; ``verified``: names checked after the load on every
         worker that holds them whole (a name sharded across TP workers is checked by none).
         """
         await self._on_engine_thread(self._llm.finish_weight_update)
         reports = await self._on_engine_thread(self._llm.collective_rpc, "arpo_sync_report")
+        self._version = self._version + 1 if version is None else int(version)
+        # Labelled before the resume: the first step on the new weights carries the new version.
+        await self._on_engine_thread(self._llm.llm_engine.set_weight_version, str(self._version))
         self._updating = None
+        if self._paused:
+            await self._on_engine_thread(self._resume_core)
+            self._paused = False
+            logger.info("engine %d: resumed on policy version %d with %d requests", self.engine_index, self._version,
+                        len(self._futures))
+            if self._wake is not None:
+                self._wake.set()
         return {"engine_index": self.engine_index, "workers": len(reports),
                 "loaded": min(r["loaded"] for r in reports), "duplicates": max(r["duplicates"] for r in reports),
                 "verified": sorted({n for r in reports for n in r["verified"]})}
@@ -657,7 +745,7 @@ class VllmEngine:
         return {"engine_index": self.engine_index, "ok": self._error is None,
                 "error": None if self._error is None else repr(self._error),
                 "in_flight": len(self._futures), "max_model_len": self.max_model_len,
-                "asleep": sorted(self._asleep)}
+                "asleep": sorted(self._asleep), "paused": self._paused, "policy_version": self._version}
 
     async def shutdown(self) -> None:
         """Stop stepping and release the vLLM engine core (its KV cache memory); the object is unusable after."""

@@ -455,10 +455,25 @@ def wait_engines(futures: Sequence[concurrent.futures.Future], engines: Sequence
             time.sleep(poll_s / 10)
 
 
+def in_flight_kwargs(keep_in_flight: bool, version: Optional[int]) -> tuple[dict, dict]:
+    """The engines' ``start_weight_update`` and ``finish_weight_update`` keywords of one sync: empty for the
+    default sync (an idle engine, the version counted up by one), so an engine that predates weights in
+    flight still takes it. Plain data only: the engine core may sit in a subprocess (msgpack)."""
+    if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
+        raise ValueError(f"weight sync: version={version!r}; give the policy version as an int >= 0, or None to "
+                         "count up by one")
+    start = {"keep_in_flight": True} if keep_in_flight else {}
+    finish = {"version": int(version)} if version is not None else {}
+    return start, finish
+
+
 def call_engines(engines: Sequence[EngineRef], method: str, *args: Any, timeout: float,
-                 what: Optional[str] = None, per_engine: Optional[Sequence[Sequence[Any]]] = None) -> list[Any]:
-    """``method`` on every engine at once (``per_engine[e]`` as engine ``e``'s arguments when given)."""
-    futures = [e.call(method, *(per_engine[i] if per_engine is not None else args)) for i, e in enumerate(engines)]
+                 what: Optional[str] = None, per_engine: Optional[Sequence[Sequence[Any]]] = None,
+                 kwargs: Optional[Mapping[str, Any]] = None) -> list[Any]:
+    """``method`` on every engine at once (``per_engine[e]`` as engine ``e``'s arguments when given;
+    ``kwargs``, plain data, to every engine)."""
+    futures = [e.call(method, *(per_engine[i] if per_engine is not None else args), **dict(kwargs or {}))
+               for i, e in enumerate(engines)]
     return wait_engines(futures, engines, what or method, timeout)
 
 

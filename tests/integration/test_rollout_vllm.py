@@ -253,3 +253,64 @@ def test_engine_starts_after_llvmlite_was_loaded(tmp_path):
         tail = lambda b: (b or b"").decode(errors="replace")[-3000:]  # noqa: E731
         pytest.fail(f"engine start timed out\nstdout: {tail(exc.stdout)}\nstderr: {tail(exc.stderr)}")
     assert "ENGINE-OK" in out.stdout, out.stderr[-3000:]
+
+
+@pytest.mark.parametrize("clear_cache", [False, True])
+def test_weights_in_flight_pause_a_long_generation_and_resume_it_on_new_weights(engine, tokenizer, ckpt, clear_cache):
+    """start_weight_update(keep_in_flight=True) mid-generation: the request is kept, not aborted; its tokens
+    before the pause are the old model's greedy tokens (version v0), those after it come from the new
+    weights (the final norm zeroed: zero logits whatever the kept KV holds, so uniform log-probs) and carry
+    the new version; a request submitted
+    during the pause waits and completes on the new weights. ``clear_cache`` preempts the kept requests
+    (recomputed on the new weights) instead of keeping their KV blocks."""
+    from safetensors.torch import load_file
+
+    name = "model.norm.weight"
+    original = load_file(str(ckpt / "model.safetensors"))[name]
+    prompt = prompts(tokenizer)[2].token_ids
+    allowed = tokenizer.encode("x y z", add_special_tokens=False)  # no EOS: every request runs to max_tokens
+    uniform = -math.log(1000)   # the tiny model's vocabulary
+
+    def request(tag, max_tokens):
+        return engine.generate(SegmentRequest(tag, prompt, max_tokens=max_tokens, temperature=0.0, logprobs=0,
+                                              top_logprobs_positions=0, allowed_token_ids=allowed))
+
+    async def steps():
+        return (await engine.prefix_cache_stats())["engine_steps"]
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        v0 = await engine.policy_version()
+        reference = await request("reference", 480)
+        sync = await loop.run_in_executor(None, lambda: LocalSync([engine], loop=loop, keep_in_flight=True))
+        try:
+            first = await steps()
+            long = asyncio.ensure_future(request("long", 480))
+            while await steps() < first + 12:   # the request has sampled some tokens: pause mid-way
+                await asyncio.sleep(0.005)
+            await loop.run_in_executor(None, lambda: sync.start(keep_in_flight=True, clear_cache=clear_cache))
+            late = asyncio.ensure_future(request("late", 8))
+            await asyncio.sleep(0.5)
+            paused = (long.done(), late.done(), await steps())
+            await asyncio.sleep(0.3)
+            still = await steps()
+            await loop.run_in_executor(None, lambda: sync.send([(name, torch.zeros_like(original))]))
+            report = await loop.run_in_executor(None, lambda: sync.finish(version=v0 + 5))
+            out, late_out = await long, await late
+            version = await engine.policy_version()
+            await loop.run_in_executor(None, lambda: sync.push([(name, original)]))  # the module's engine again
+        finally:
+            sync.close()
+        return v0, reference, paused, still, report, out, late_out, version
+
+    v0, reference, paused, still, report, out, late_out, version = asyncio.run(scenario())
+    assert paused[:2] == (False, False) and paused[2] == still   # nothing stepped while paused
+    assert report["engines"][0]["loaded"] == 1 and version == v0 + 5
+    assert len(out.token_ids) == 480 and len(out.token_versions) == 480
+    k = out.token_versions.count(v0)
+    assert 0 < k < 480 and out.token_versions == [v0] * k + [v0 + 5] * (480 - k)   # one switch, at the pause
+    assert out.token_ids[:k] == reference.token_ids[:k]
+    assert out.logprobs[:k] == pytest.approx(reference.logprobs[:k], abs=1e-5)
+    assert out.logprobs[k:] == pytest.approx([uniform] * (480 - k), abs=1e-4)
+    assert not any(lp == pytest.approx(uniform, abs=1e-3) for lp in out.logprobs[:k])
+    assert late_out.token_versions == [v0 + 5] * 8 and late_out.logprobs == pytest.approx([uniform] * 8, abs=1e-4)

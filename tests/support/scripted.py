@@ -137,6 +137,7 @@ class ScriptedEngine:
         self._blocks: set[int] = set()
         self._seeded: dict[tuple, ScriptedStep] = {}   # (context, seed) -> the step sampled for it
         self._in_flight = 0
+        self.version = 0   # the policy version (finish_weight_update), stamped on every token
         self._stats = {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0,
                        "max_in_flight": 0, "queries": 0, "hits": 0, "weight_updates": 0}
 
@@ -152,6 +153,7 @@ class ScriptedEngine:
             context = list(request.prompt_token_ids)
             cached = self._lookup_prefix(context)
             step = self._sample(context, request)
+            version = self.version   # every token is sampled here, before the latency: this policy's version
             tokens, top = [], []
             stops = set(request.stop_token_ids)
             finish, stop_reason, text = "length", None, ""
@@ -184,7 +186,7 @@ class ScriptedEngine:
             return SegmentOutput(
                 request_id=request.request_id, token_ids=tokens, logprobs=sampled, top_logprobs=top,
                 finish_reason=finish, stop_reason=stop_reason, num_prompt_tokens=len(context),
-                num_cached_tokens=cached,
+                num_cached_tokens=cached, token_versions=[version] * len(tokens),
             )
         finally:
             self._in_flight -= 1
@@ -266,11 +268,13 @@ class ScriptedEngine:
     async def weight_transfer_info(self) -> dict[str, Any]:
         return {"engine_index": self.engine_index, "world_size": 1, "transport": "gloo"}
 
-    async def init_weight_transfer_engine(self, init_info: dict) -> None:
+    async def init_weight_transfer_engine(self, init_info: dict, keep_in_flight: bool = False) -> None:
         self._receiver = _dict_receiver(self)
         await self._off_loop(self._receiver.init_transfer_engine, self._receiver.parse_init_info(init_info))
 
-    async def start_weight_update(self) -> None:
+    async def start_weight_update(self, keep_in_flight: bool = False, clear_cache: bool = False) -> None:
+        # A scripted request samples all its tokens when it starts: there is no step to pause at, so
+        # keep_in_flight changes nothing here (the real pause: VllmEngine).
         self._seeded.clear()
         self._receiver.start_weight_update()
 
@@ -280,10 +284,14 @@ class ScriptedEngine:
         self._stats["weight_updates"] += 1
         return len(info.names)
 
-    async def finish_weight_update(self) -> dict[str, Any]:
+    async def finish_weight_update(self, version: Optional[int] = None) -> dict[str, Any]:
         report = dict(self._receiver._end())
+        self.version = self.version + 1 if version is None else int(version)
         return {"engine_index": self.engine_index, "workers": 1, "loaded": report["loaded"],
                 "duplicates": report["duplicates"], "verified": report["verified"]}
+
+    async def policy_version(self) -> int:
+        return self.version
 
     async def reset_prefix_cache(self) -> bool:
         self._blocks.clear()

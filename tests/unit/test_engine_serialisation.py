@@ -11,54 +11,26 @@ tests/integration/test_rollout_vllm.py. Passing a function (or class) to ``colle
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
 
 import pytest
 import torch
 
 pytest.importorskip("vllm")
-from vllm import LLM  # noqa: E402
-from vllm.v1.engine.core_client import SyncMPClient  # noqa: E402
-from vllm.v1.engine.llm_engine import LLMEngine  # noqa: E402
 from vllm.v1.serial_utils import MsgpackEncoder  # noqa: E402
 
-from megatron_arpo.rollout.engine import EngineConfig, VllmEngine, engine_env  # noqa: E402
+from megatron_arpo.rollout.engine import EngineConfig, engine_env  # noqa: E402
 from megatron_arpo.weight_sync import protocol as ws  # noqa: E402
 from megatron_arpo.weight_sync.receivers import GlooUpdateInfo, SyncWorkerExtension  # noqa: E402
 from megatron_arpo.weight_sync.vllm_plugin import WORKER_EXTENSION  # noqa: E402
-
-REPORT = {"loaded": 2, "duplicates": 0, "verified": ["model.norm.weight"], "sync_ids": [1]}
-
-
-class EncodingCoreClient(SyncMPClient):
-    """vLLM's multiprocessing client with the socket replaced: each utility call is encoded, recorded and
-    answered as a one-worker engine would answer it."""
-
-    def __init__(self) -> None:  # no engine process
-        self.encoder = MsgpackEncoder()
-        self.calls: list[tuple] = []
-
-    def call_utility(self, method: str, *args):
-        self.encoder.encode((0, 0, method, args))  # what SyncMPClient.call_utility sends (raises TypeError)
-        self.calls.append((method, args))
-        if method == "collective_rpc":
-            name = args[0]
-            return [{"arpo_sync_report": REPORT, "arpo_param_checksums": {"model.norm.weight": None}}.get(name)]
-        return None
+from support.core_client import EncodingCoreClient, bare_engine  # noqa: E402
 
 
 @pytest.fixture
 def engine(monkeypatch):
     monkeypatch.delenv("VLLM_ALLOW_INSECURE_SERIALIZATION", raising=False)
     core = EncodingCoreClient()
-    llm = object.__new__(LLM)
-    llm.llm_engine = object.__new__(LLMEngine)
-    llm.llm_engine.engine_core = core
-    eng = object.__new__(VllmEngine)   # the state __init__ sets after vLLM started
-    eng.cfg, eng.engine_index, eng._llm = EngineConfig(model="unused", weight_transfer="gloo"), 0, llm
-    eng._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1)
-    eng._futures, eng._asleep, eng._updating = {}, set(), None
+    eng = bare_engine(core)
     yield eng, core
     eng._thread.shutdown(wait=True)
 
