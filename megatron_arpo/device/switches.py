@@ -31,6 +31,16 @@ class Switch:
 
 SWITCHES: tuple[Switch, ...] = (
     Switch(
+        id="vllm-cpu-packed-tied-head",
+        where=("megatron_arpo/weight_sync/receivers.py:repack_tied_heads",),
+        cpu="after each weight sync the tied LM head's packed GEMM copy is rebuilt from the embedding it shares",
+        gpu="nothing to rebuild: the head reads the shared parameter the sync wrote in place",
+        reason="vLLM 0.32's CPU GEMM (oneDNN / sgl kernels) packs each weight into a kernel-owned copy after "
+               "loading, and its layerwise reload re-processes only the layer that loaded a tied parameter",
+        gpu_test="tests/integration/test_rollout_vllm.py::test_a_synced_tied_embedding_reaches_the_lm_head runs "
+                 "the CPU side; on GPU the function finds no module with a packed copy and does nothing",
+    ),
+    Switch(
         id="vllm-executor",
         where=("megatron_arpo/rollout/engine.py:executor_backend",),
         cpu="an engine with tensor_parallel_size > 1 runs its workers under vLLM's mp executor",

@@ -644,11 +644,8 @@ class VllmEngine:
         """On the engine thread, at a step boundary: the core schedules nothing more (vLLM's ``keep`` pause,
         which answers once the core is idle) and the outputs it sent before are read; the finished ones
         are returned. Plain-data arguments: the core may run in a subprocess (msgpack)."""
-        core = self._engine.engine_core
-        if hasattr(core, "call_utility"):   # the core in its subprocess (vLLM's default multiprocessing)
-            core.call_utility("pause_scheduler", "keep", clear_cache)
-        else:                               # VLLM_ENABLE_V1_MULTIPROCESSING=0: the core in this process
-            core.engine_core.pause_scheduler(mode="keep", clear_cache=clear_cache)
+        core = self._engine.engine_core  # the client of the core's subprocess (vLLM's default multiprocessing)
+        core.call_utility("pause_scheduler", "keep", clear_cache)
         done: list[tuple[str, SegmentOutput]] = []
         # The core's outputs and the pause's answer share one ordered socket: every step's outputs are
         # queued by the time the answer arrived. step() blocks on an empty queue, so read only what is there.
@@ -658,11 +655,7 @@ class VllmEngine:
         return done
 
     def _resume_core(self) -> None:
-        core = self._engine.engine_core
-        if hasattr(core, "call_utility"):
-            core.call_utility("resume_scheduler")
-        else:
-            core.engine_core.resume_scheduler()
+        self._engine.engine_core.call_utility("resume_scheduler")
 
     def _resolve(self, finished: Sequence[tuple[str, SegmentOutput]]) -> None:
         for rid, out in finished:

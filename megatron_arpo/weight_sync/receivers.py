@@ -51,7 +51,7 @@ from megatron_arpo.weight_sync.protocol import (BucketLayout, BufferPool, Weight
 logger = logging.getLogger(__name__)
 
 __all__ = ["GlooWeightTransferEngine", "StagedNCCLWeightTransferEngine", "VerifiedIPCWeightTransferEngine",
-           "SyncWorkerExtension", "param_checksums", "worker_rank"]
+           "SyncWorkerExtension", "param_checksums", "repack_tied_heads", "worker_rank"]
 
 
 def worker_rank(parallel_config: Any) -> int:
@@ -82,6 +82,30 @@ def param_checksums(model: Any, expected_shapes: dict[str, list[int]]) -> dict[s
 
 
 # ----------------------------------------------------------------------------------- shared checks
+def repack_tied_heads(model: Any) -> list[str]:
+    """Re-run the weight post-processing of modules that share their ``weight`` with another module (a tied
+    LM head shares the embedding's). vLLM's layerwise reload post-processes only the module that loaded a
+    parameter (its docs: tied parameters reflect the processing of one parent layer). On CPU that
+    processing packs each GEMM weight into a kernel-owned copy (``cpu_linear``), so a tied head kept
+    sampling from the checkpoint's weights after every sync. On GPU no module holds such a copy: a no-op.
+    Returns the names of the modules re-processed."""
+    owners: dict[int, list[tuple[str, Any]]] = {}
+    for name, module in model.named_modules():
+        weight = module.__dict__.get("_parameters", {}).get("weight")
+        if weight is not None:
+            owners.setdefault(id(weight), []).append((name, module))
+    done = []
+    for modules in owners.values():
+        if len(modules) < 2:
+            continue
+        for name, module in modules:
+            method = getattr(module, "quant_method", None)
+            if hasattr(module, "cpu_linear") and method is not None:
+                method.process_weights_after_loading(module)
+                done.append(name)
+    return done
+
+
 @dataclass
 class _Session:
     loaded: list[str] = field(default_factory=list)
@@ -122,8 +146,12 @@ class _LoadChecks:
         model.load_weights(weights)
 
     def _end(self) -> dict:
-        """After the layerwise reload finished: the verify sample against the loaded parameters."""
+        """After the layerwise reload finished: tied heads re-packed, then the verify sample against the
+        loaded parameters."""
         session: _Session = getattr(self, "_session", None) or _Session()
+        repacked = repack_tied_heads(self.model)
+        if repacked:
+            logger.debug("weight sync: re-packed the tied module(s) %s", repacked)
         shapes = {n: c["shape"] for n, c in session.expected_after_load.items()}
         loaded = param_checksums(self.model, shapes)
         verified = []

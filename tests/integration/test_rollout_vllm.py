@@ -314,3 +314,40 @@ def test_weights_in_flight_pause_a_long_generation_and_resume_it_on_new_weights(
     assert out.logprobs[k:] == pytest.approx([uniform] * (480 - k), abs=1e-4)
     assert not any(lp == pytest.approx(uniform, abs=1e-3) for lp in out.logprobs[:k])
     assert late_out.token_versions == [v0 + 5] * 8 and late_out.logprobs == pytest.approx([uniform] * 8, abs=1e-4)
+
+
+def test_a_synced_tied_embedding_reaches_the_lm_head(engine, tokenizer, ckpt):
+    """A tied model's LM head is the embedding's parameter. vLLM's CPU GEMM packs each head's weight into a
+    kernel-owned copy after loading, and the layerwise reload re-packs only the layer that loaded it (the
+    embedding): the head kept sampling from the checkpoint's weights after every sync. The engine's
+    log-probs after syncing a changed embedding must be transformers' log-probs for that embedding."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    name = "model.embed_tokens.weight"
+    original = load_file(str(ckpt / "model.safetensors"))[name]
+    changed = original * 3.0
+    prompt = prompts(tokenizer)[0].token_ids
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        sync = await loop.run_in_executor(None, lambda: LocalSync([engine], loop=loop))
+        try:
+            await loop.run_in_executor(None, lambda: sync.push([(name, changed)]))
+            out = await engine.generate(SegmentRequest("tied", prompt, max_tokens=8, temperature=0.0, logprobs=1))
+            await loop.run_in_executor(None, lambda: sync.push([(name, original)]))
+        finally:
+            sync.close()
+        return out
+
+    out = asyncio.run(scenario())
+    model = AutoModelForCausalLM.from_pretrained(str(ckpt), torch_dtype=torch.float32)
+    assert model.config.tie_word_embeddings
+    with torch.no_grad():
+        model.get_input_embeddings().weight.copy_(changed)
+        ids = torch.tensor([list(prompt) + list(out.token_ids)])
+        logp = torch.log_softmax(model(ids).logits[0].double(), dim=-1)
+    start = len(prompt)
+    expected = [float(logp[start - 1 + i, t]) for i, t in enumerate(out.token_ids)]
+    assert out.token_ids[0] == int(logp[start - 1].argmax())
+    assert out.logprobs == pytest.approx(expected, abs=1e-3)
