@@ -3,8 +3,8 @@ real tools, Megatron SFT, vLLM evaluation with tools, ARPO training on a local R
 exported policy), the summary is produced, and a rerun skips every finished stage.
 
 The smoke needs the pipeline to run, not to learn: after the demo's own data stage the test points SFT at
-every 14th of its trajectories (2 optimizer steps) and the training's validation at 2 prompts per data
-source, with ``--set`` overrides; configs/demo.yaml and the demo's stages are unchanged."""
+every 14th of its trajectories (129 rows, 3 optimizer steps of 64) and the training's validation at 2
+prompts per data source, with ``--set`` overrides; configs/demo.yaml and the demo's stages are unchanged."""
 
 from __future__ import annotations
 
