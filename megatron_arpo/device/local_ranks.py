@@ -1,10 +1,13 @@
 """Run a function on N local gloo ranks: `python -m conversion verify` and the multi-process CPU tests use it.
 
-``run_distributed(fn, world_size, *args, **kwargs)`` spawns ``world_size`` fresh processes (spawn
-context, so no forked CUDA/OpenMP state), gives each an initialised gloo process group and the CPU
-compat layer (``megatron_arpo.device.cpu_compat.apply_cpu_compat``), calls
-``fn(rank, world_size, *args, **kwargs)`` and returns the per-rank return values in rank order.
+``run_distributed(fn, world_size, *args, **kwargs)`` starts ``world_size`` fresh processes, gives each an
+initialised gloo process group and the CPU compat layer (``megatron_arpo.device.cpu_compat.apply_cpu_compat``),
+calls ``fn(rank, world_size, *args, **kwargs)`` and returns the per-rank return values in rank order.
 
+- Workers are forked from a forkserver: a fresh interpreter that has imported torch, megatron-core and
+  transformers once (``PRELOAD``) and does nothing else, so no CUDA context, OpenMP pool or compat patch
+  is inherited, and no worker pays those imports again. The server keeps the environment it started
+  with, so each worker takes the caller's ``os.environ`` as it is at the call.
 - ``fn`` must be a module-level (picklable) function; its return value must be picklable. Results travel
   as ``torch.save`` bytes, so tensors come back as ordinary tensors, not shared-memory handles that die
   with the worker.
@@ -35,6 +38,10 @@ import traceback
 from typing import Any, Callable
 
 logger = logging.getLogger(__name__)
+
+# Imported once by the forkserver (a module that is missing is skipped by multiprocessing).
+PRELOAD = ("torch", "torch.distributed", "megatron.core", "megatron.core.parallel_state",
+           "megatron.core.dist_checkpointing", "megatron_arpo.device.cpu_compat", "transformers")
 
 
 class DistributedWorkerError(RuntimeError):
@@ -79,7 +86,9 @@ def _cleanup_worker() -> None:
 
 
 def _worker(rank: int, world_size: int, port: int, timeout: float, fn: Callable, args: tuple,
-            kwargs: dict, results: Any) -> None:
+            kwargs: dict, results: Any, environ: dict[str, str]) -> None:
+    os.environ.clear()  # the caller's environment, not the one the forkserver started with
+    os.environ.update(environ)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1",
@@ -121,11 +130,13 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if getattr(fn, "__name__", "<lambda>") == "<lambda>" or "<locals>" in getattr(fn, "__qualname__", ""):
         raise ValueError(f"run_distributed needs a module-level function (picklable), got {fn!r}")
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))  # takes effect when this process first starts the server
     results = ctx.Queue()
     port = find_free_port()
+    environ = dict(os.environ)
     procs = [
-        ctx.Process(target=_worker, args=(rank, world_size, port, timeout, fn, args, kwargs, results),
+        ctx.Process(target=_worker, args=(rank, world_size, port, timeout, fn, args, kwargs, results, environ),
                     name=f"run_distributed-rank{rank}")
         for rank in range(world_size)
     ]

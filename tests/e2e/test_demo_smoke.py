@@ -1,11 +1,16 @@
 """`megatron-arpo demo` end to end with tiny step counts: every stage runs for real (task build with the
 real tools, Megatron SFT, vLLM evaluation with tools, ARPO training on a local Ray, evaluation of the
-exported policy), the summary is produced, and a rerun skips every finished stage."""
+exported policy), the summary is produced, and a rerun skips every finished stage.
+
+The smoke needs the pipeline to run, not to learn: after the demo's own data stage the test points SFT at
+every 14th of its trajectories (129 rows, 3 optimizer steps of 64) and the training's validation at 2
+prompts per data source, with ``--set`` overrides; configs/demo.yaml and the demo's stages are unchanged."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -21,19 +26,49 @@ SHORT = ["sft.epochs=1", "sft.global_batch_size=64", "trainer.total_steps=1", "t
          "trainer.save_every=1", "eval.max_samples=4", "logging.wandb.mode=offline"]
 
 
-def _demo(run_dir: Path, overrides: list[str]) -> subprocess.CompletedProcess:
+def _demo(run_dir: Path, overrides: list[str], *extra: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "megatron_arpo", "demo", "--config", str(REPO / "configs" / "demo.yaml"),
-           "--run-dir", str(run_dir), "--seed", "3"]
+           "--run-dir", str(run_dir), "--seed", "3", *extra]
     for item in overrides:
         cmd += ["--set", item]
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", WANDB_MODE="offline", RAY_AUTH_MODE="disabled")
     env.pop("RAY_ADDRESS", None)
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=840)
+    # Its own session: on a timeout the stage subprocess (and its vLLM/Ray children) die with the demo
+    # instead of running on beside the rest of the suite.
+    with subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=840)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            raise AssertionError(f"the demo timed out after 840 s\n{err[-3000:]}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _subsets(data: Path, small: Path) -> list[str]:
+    """Every 14th SFT row (tool and direct ones alike) and the first two val prompts per data source."""
+    small.mkdir(parents=True, exist_ok=True)
+    sft = (data / "demo_sft.jsonl").read_text().splitlines()[::14]
+    (small / "demo_sft.jsonl").write_text("\n".join(sft) + "\n")
+    val: dict[str, list[str]] = {}
+    for line in (data / "demo_val.jsonl").read_text().splitlines():
+        rows = val.setdefault(json.loads(line)["data_source"], [])
+        if len(rows) < 2:
+            rows.append(line)
+    assert len(val) == 2 and len(sft) >= 64, (sorted(val), len(sft))
+    (small / "demo_val.jsonl").write_text("\n".join(line for rows in val.values() for line in rows) + "\n")
+    return [f"sft.train_files=[{small / 'demo_sft.jsonl'}]", f"data.val_files=[{small / 'demo_val.jsonl'}]"]
 
 
 def test_demo_runs_every_stage_and_writes_the_summary(tmp_path):
     run_dir = tmp_path / "demo"
-    proc = _demo(run_dir, SHORT)
+    small = tmp_path / "small"
+    overrides = SHORT + [f"sft.train_files=[{small / 'demo_sft.jsonl'}]", f"data.val_files=[{small / 'demo_val.jsonl'}]"]
+    first = _demo(run_dir, overrides, "--stages", "data")  # the demo's own task build, then the subsets of it
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert _subsets(run_dir / "data", small) == overrides[len(SHORT):]
+    proc = _demo(run_dir, overrides)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
     for stage in ("data", "sft", "before", "train", "after"):
@@ -61,6 +96,6 @@ def test_demo_runs_every_stage_and_writes_the_summary(tmp_path):
     assert "| all |" in proc.stdout
 
     # Resumable: a second run finds every stage complete and only rewrites the summary.
-    again = _demo(run_dir, SHORT)
+    again = _demo(run_dir, overrides)
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stderr.count("skipping") == 5, again.stderr
