@@ -21,11 +21,11 @@ from collections.abc import Sequence
 
 import torch
 
-from megatron_arpo.rollout.trajectory import NOT_SAMPLED
 
-__all__ = ["behaviour_weights", "sequence_weights", "token_lags", "weight_stats"]
+__all__ = ["NOT_SAMPLED", "behaviour_weights", "sequence_weights", "token_lags", "weight_stats"]
 
 _LOG_WEIGHT_CLAMP = 20.0
+NOT_SAMPLED = -1  # the token version of tokens no policy sampled (tool results, an appended EOS)
 
 
 def token_lags(versions: Sequence[int], current: int) -> list[int]:

@@ -32,6 +32,7 @@ from typing import Any, Iterable, Optional, Sequence
 
 import numpy as np
 
+from megatron_arpo.algo.off_policy import NOT_SAMPLED
 from megatron_arpo.fsutil import atomic_write
 
 logger = logging.getLogger(__name__)
@@ -41,7 +42,6 @@ __all__ = [
     "save_records", "score_trajectories", "shared_prefix_tokens", "tree_digest",
 ]
 
-NOT_SAMPLED = -1  # token version of tokens the policy did not sample (megatron_arpo.algo.off_policy)
 
 # Why a trajectory ended.
 FINISH_REASONS = ("eos", "length", "call_limit", "max_model_len")
