@@ -106,13 +106,24 @@ class OffPolicyLoop:
         dropped_before = self.buffer.counters["dropped_stale"]
 
         async def fill() -> None:
+            calls = 0
             while not self.buffer.ready(self.batch_size, version):
                 self.buffer.drop_stale(version)
                 if self.buffer.room < self.batch_size:
                     raise RuntimeError(f"the rollout buffer has no room for a batch ({len(self.buffer)} finished, "
                                        f"{self.buffer.in_flight} in flight, capacity {self.buffer.capacity}); "
                                        f"raise rollout.buffer_groups")
+                if calls > self.buffer.max_staleness + 1:
+                    # batches generated now, on the synced weights, cannot be stale unless the engines' tokens
+                    # carry another version than the trainer's: without this check the step regenerates forever
+                    raise RuntimeError(
+                        f"step {step}: {calls} batches generated on the synced weights were all dropped as older "
+                        f"than rollout.max_staleness={self.buffer.max_staleness} versions behind policy version "
+                        f"{version}; the engines label their tokens with another version (engine versions: "
+                        f"{[e.version for e in rt.group.engines] if rt.group is not None else None}). The weight "
+                        "sync must pass the trainer's version to the engines (steps.sync_weights)")
                 await self._generate_one()
+                calls += 1
 
         wait_start = time.perf_counter()
         rt.run_async(fill(), rt.cfg.trainer.timeouts.rollout_s, f"the rollout for step {step}",

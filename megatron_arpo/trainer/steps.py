@@ -190,8 +190,10 @@ def sync_weights(rt: Runtime) -> dict[str, float]:
 
     if rt.group is None:  # replaying records: no engine to send to
         return {}
-    report = rt.actor.sync_weights(rt.group)  # verify: rollout.verify_sync (first sync by default)
-    rt.group.set_version(rt.policy_version)  # the version every token sampled from now on records
+    # verify: rollout.verify_sync (first sync by default). The engines label every token they sample from
+    # now on with the trainer's version (a resumed run's first sync included), not a count of their syncs.
+    report = rt.actor.sync_weights(rt.group, version=rt.policy_version)
+    rt.group.set_version(rt.policy_version)
     return sync_metrics(report)
 
 

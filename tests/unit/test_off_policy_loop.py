@@ -91,7 +91,9 @@ def one_step(rt, step: int) -> dict:
     weights = offp.add_behaviour_weights(batch, trajs)
     rt.actor.started.clear()
     offp.update_while_generating(batch)
-    rt.group.set_version(rt.policy_version)  # the weight sync
+    rt.group.set_version(rt.policy_version)  # the weight sync: the handles and the engines' own labels
+    for handle in rt.group.engines:
+        handle.target.version = rt.policy_version
     row = offp.metrics(trajs, weights)
     assert [k for k in row if metric_pattern(k) is None] == []  # every key explained in docs/metrics.md
     return {"prompts": [p.prompt_id for p in prompts], "indices": indices, "trajs": trajs, "batch": batch, "row": row}
@@ -145,6 +147,8 @@ def test_a_checkpoint_restores_the_buffer_and_the_next_batch(tmp_path):
     resumed = make_runtime(tmp_path / "r", max_staleness=1, total_steps=4)
     resumed.step, resumed.policy_version = 1, 1
     resumed.group.set_version(1)
+    for handle in resumed.group.engines:
+        handle.target.version = 1
     resumed.off_policy.restore(ckpt, state)
     assert [g.to_dict() for g in resumed.off_policy.buffer.groups] == [g.to_dict() for g in rt.off_policy.buffer.groups]
     prompts_a, _, _ = rt.off_policy.take_batch(2)
@@ -159,3 +163,12 @@ def test_a_cancelled_call_counts_its_groups_and_gives_its_prompts_back(tmp_path)
         rt.off_policy.take_batch(1, cancel_when=lambda: True)
     assert rt.sampler.state_dict() == before and rt.off_policy.buffer.counters["dropped_in_flight"] == BATCH
     assert rt.off_policy.buffer.in_flight == 0 and rt.off_policy.next_batch == 1
+
+
+def test_engines_labelling_tokens_with_another_version_stop_the_step_instead_of_regenerating_forever(tmp_path):
+    rt = make_runtime(tmp_path, max_staleness=0)
+    rt.policy_version = 2
+    rt.group.set_version(2)  # the handles say 2, the engines' own labels stay 0: every group is stale
+    with pytest.raises(RuntimeError, match="label their tokens with another version"):
+        rt.off_policy.take_batch(1)
+    assert rt.off_policy.buffer.counters["dropped_stale"] > 0

@@ -29,6 +29,8 @@ def _run(engine_versions=None, version=0):
     sched, engines = make_scheduler(_branchy_script(), n=4, initial_rollouts=2, beam_size=2, call_limit=3,
                                     response_length=300, branch_threshold=1.0, entropy_weight=0.0)
     sched.group.set_version(version)
+    for engine in engines:
+        engine.version = version  # the scripted engine labels its tokens itself, as VllmEngine does
     if engine_versions is not None:
         for engine in engines:
             original = engine.generate

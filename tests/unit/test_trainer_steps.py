@@ -153,8 +153,9 @@ def test_a_sync_that_fails_verification_stops_before_the_next_rollout():
             asked.append(kwargs)
             raise WeightSyncError("weight sync: engine 0: verify_sync: model.norm.weight differs ...")
 
-    rt = SimpleNamespace(cfg=config(), actor=FailingActor(), group=object(), engines=[],
+    rt = SimpleNamespace(cfg=config(), actor=FailingActor(), group=object(), engines=[], policy_version=3,
                          phases=PhaseState(sleep_level=None, offload=False, phase="train", weights_stale=True))
     with pytest.raises(WeightSyncError, match="verify_sync"):
         phases.switch_phase(rt, "rollout")
-    assert rt.phases.weights_stale and rt.phases.phase == "train" and asked == [{}]
+    # the engines are told the trainer's policy version, the label of every token they sample next
+    assert rt.phases.weights_stale and rt.phases.phase == "train" and asked == [{"version": 3}]
