@@ -89,6 +89,8 @@ def repack_tied_heads(model: Any) -> list[str]:
     processing packs each GEMM weight into a kernel-owned copy (``cpu_linear``), so a tied head kept
     sampling from the checkpoint's weights after every sync. On GPU no module holds such a copy: a no-op.
     Returns the names of the modules re-processed."""
+    if not isinstance(model, torch.nn.Module):  # the scripted engine's name -> tensor store: no modules
+        return []
     owners: dict[int, list[tuple[str, Any]]] = {}
     for name, module in model.named_modules():
         weight = module.__dict__.get("_parameters", {}).get("weight")
