@@ -1,5 +1,8 @@
 """Rollout engines: `VllmEngine` around `vllm.LLM`, its Ray actor factory, and the request/response types.
 
+(Over the house's ~800 lines since the in-flight pause landed: the Ray actor factory, ``engine_actor_options``
+to ``create_engine_actor``, is the part to move into its own module when this file next changes.)
+
 An engine takes token ids and returns token ids, the sampled tokens' log-probs and the top-k log-probs of
 the leading generated positions a request asks for (``top_logprobs_positions``: the pool ARPO's segment
 entropy is computed from; the rest are trimmed before the output leaves the engine). Prefix caching is on, so a branch
