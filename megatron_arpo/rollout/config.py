@@ -26,6 +26,7 @@ class RolloutSection:
     max_num_seqs: Optional[int] = setting(None, ge=1, help="vLLM max_num_seqs; null = vLLM default")
     max_num_batched_tokens: Optional[int] = setting(None, ge=1, help="vLLM max_num_batched_tokens; null = vLLM default")
     enable_prefix_caching: bool = setting(True)
+    enforce_eager: bool = setting(False, help="vLLM eager mode: no torch.compile graph and no CUDA graphs. The engine starts sooner (no compile) and decodes slower; production keeps the default (compiled)")
     n: int = setting(16, ge=1, le=4096, help="trajectories per prompt (global budget M)")
     initial_rollouts: int = setting(8, ge=1, help="fresh trajectories started per prompt; = n is plain GRPO")
     beam_size: int = setting(2, ge=1, help="a branch decision forks up to beam_size - 1 copies")

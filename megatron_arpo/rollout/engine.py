@@ -150,7 +150,7 @@ class EngineConfig:
     kv_cache_gib: Optional[float] = RolloutSection.kv_cache_gib  # GPU: vLLM's kv_cache_memory_bytes
     max_num_seqs: Optional[int] = RolloutSection.max_num_seqs
     max_num_batched_tokens: Optional[int] = RolloutSection.max_num_batched_tokens
-    enforce_eager: bool = False
+    enforce_eager: bool = RolloutSection.enforce_eager
     skip_tokenizer_init: bool = False       # True: no detokenizer, so no stop strings (token-id stops only)
     cpu_kv_cache_gib: float = RolloutSection.cpu_kv_cache_gib
     cpu_omp_threads_bind: Optional[str] = RolloutSection.cpu_omp_threads_bind
@@ -171,6 +171,7 @@ class EngineConfig:
             max_model_len=rollout.max_model_len,
             seed=rollout.seed,
             enable_prefix_caching=rollout.enable_prefix_caching,
+            enforce_eager=rollout.enforce_eager,
             gpu_memory_utilization=rollout.gpu_memory_utilization,
             kv_cache_gib=rollout.kv_cache_gib,
             max_num_seqs=rollout.max_num_seqs,

@@ -59,7 +59,8 @@ def test_two_rl_steps_end_to_end(_ray_two_node_cluster, tmp_path):  # noqa: F811
     log = tmp_path / "train.log"
     cmd = train_command(str(hf_dir), data, run_dir, "logging.wandb.mode=offline", "trainer.placement=separate",
                         "trainer.actor_devices=2", "trainer.rollout_devices=1", "algorithm.use_reference=true",
-                        "algorithm.kl.coef=0.01", "trainer.deterministic=true", resume="auto")
+                        "algorithm.kl.coef=0.01", "trainer.deterministic=true",
+                        "rollout.enforce_eager=false", resume="auto")  # the compiled engine, as in production
     with open(log, "w") as out:
         proc = subprocess.run(cmd, cwd=REPO, env=train_env(data, _ray_two_node_cluster.address), stdout=out,
                               stderr=subprocess.STDOUT, timeout=720)
