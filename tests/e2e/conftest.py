@@ -1,13 +1,12 @@
 """Runs of `megatron-arpo train` that several e2e tests read, started once per session.
 
-- ``_ray_two_node_cluster``: the 2-raylet Ray cluster of tests/integration/ray_cluster.py, defined here
-  once. A session fixture imported into several test modules is started once per module (pytest keeps
-  one fixture definition per importing module), so the modules of this directory take it from here.
 - ``sync_run``: two RL steps of the tiny Qwen3 in sync mode, default (non-deterministic-mode) path,
   separate pools on that cluster, rollout records saved, validation at step 2, final HF export.
   The determinism, off-policy and replay tests read it.
 - ``off_policy_run``: the same run with ``trainer.mode: off_policy`` and ``rollout.max_staleness: 0``,
   which must equal ``sync_run`` bit for bit (test_off_policy_train.py, test_train_determinism.py).
+
+Both run on the session's 2-raylet Ray cluster (``_ray_two_node_cluster``, tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
-from ray_cluster import _ray_two_node_cluster  # noqa: E402,F401 (session fixture: 2 raylets)
 from train_helpers import REPO, log_tail, read_rows, train_command, train_env, write_task  # noqa: E402
 
 SHARED_SETS = ("logging.wandb.mode=disabled", "logging.save_rollout_records=true", "trainer.placement=separate",

@@ -20,7 +20,7 @@ from train_helpers import REPO, log_tail, read_rows, train_command, train_env, w
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
-def test_two_rl_steps_on_tiny_llama(_ray_two_node_cluster, tmp_path):  # session fixture: tests/e2e/conftest.py
+def test_two_rl_steps_on_tiny_llama(_ray_two_node_cluster, tmp_path):  # session fixture: tests/conftest.py
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 

@@ -21,7 +21,6 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
-from ray_cluster import _ray_two_node_cluster  # noqa: E402,F401 (session fixture: 2 raylets)
 from train_helpers import CONFIG, REPO, log_tail, read_rows, train_command, train_env, write_task  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]

@@ -43,7 +43,7 @@ def expected_uids(data: Path, steps: int, batch: int) -> list[list[str]]:
     return [[records[i].uid for i in sampler.next_batch()] for _ in range(steps)]
 
 
-def test_two_rl_steps_end_to_end(_ray_two_node_cluster, tmp_path):  # session fixture: tests/e2e/conftest.py
+def test_two_rl_steps_end_to_end(_ray_two_node_cluster, tmp_path):  # session fixture: tests/conftest.py
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
