@@ -109,7 +109,7 @@ def run_preflight(cfg, command: Sequence[str], skip: bool) -> None:
 
 
 def _run_slurm(args) -> int:
-    # deferred: only this subcommand needs it (keeps --help light)
+    # deferred: only this subcommand needs it (keeps `launch --help` light)
     from launchers.options import launcher_options
     from launchers.slurm import container_mount_paths, default_command, log_paths, render_sbatch, submit
 
@@ -159,7 +159,7 @@ def _add_local(sub) -> None:
 
 
 def _run_local(args) -> int:
-    # deferred: only this subcommand needs it (keeps --help light)
+    # deferred: only this subcommand needs it (keeps `launch --help` light)
     from launchers.local import launch_local
 
     command = shlex.split(args.command) if args.command else None
@@ -199,7 +199,7 @@ def _add_ray_node(sub) -> None:
 
 
 def _run_ray_node(args) -> int:
-    # deferred: only this subcommand needs it (keeps --help light)
+    # deferred: only this subcommand needs it (keeps `launch --help` light)
     from megatron_arpo.cluster.bootstrap import NodeOptions, PortPlan, run_ray_node
     from megatron_arpo.cluster.ports import parse_port_range
 
@@ -252,7 +252,7 @@ def _add_plan(sub) -> None:
 
 
 def _run_plan(args) -> int:
-    # deferred: only this subcommand needs it (keeps --help light)
+    # deferred: only this subcommand needs it (keeps `launch --help` light)
     from launchers.planner import format_plan, make_plan, plan_input_from_config
 
     if args.cmd == "plan":
@@ -267,7 +267,7 @@ def _run_plan(args) -> int:
         raise InputError(str(exc)) from exc
     measured = None
     if args.measure:
-        # deferred: only this subcommand needs it (keeps --help light)
+        # deferred: only this subcommand needs it (keeps `launch --help` light)
         from launchers.measure import as_dict, format_measured, measure
 
         try:

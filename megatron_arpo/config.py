@@ -41,8 +41,6 @@ from typing import Any, Literal, Mapping, Optional, Sequence, Union, get_args, g
 
 import yaml
 
-from megatron_arpo.cluster.allocation import resource_problems
-from megatron_arpo.cluster.ports import parse_port_range
 from megatron_arpo.determinism import deterministic_problems
 from megatron_arpo.errors import ConfigError
 from megatron_arpo.model_config import ModelConfig, load_model_config
@@ -602,6 +600,8 @@ def validate(cfg: ExperimentConfig) -> list[str]:
         errors.append("trainer.resume: empty; allowed: auto | none | PATH of a checkpoint")
     la = cfg.launcher
     errors.extend(_launcher_port_problems(la))
+    # deferred: every command imports this module at start-up; only validation needs it
+    from megatron_arpo.cluster.allocation import resource_problems
 
     errors.extend(resource_problems(la))
     if not la.job_name or any(c.isspace() for c in la.job_name):
@@ -638,6 +638,9 @@ def off_policy_problems(cfg: ExperimentConfig) -> list[str]:
 
 
 def _launcher_port_problems(la: LauncherSection) -> list[str]:
+    # deferred: every command imports this module at start-up; only validation needs it
+    from megatron_arpo.cluster.ports import parse_port_range
+
     errors = []
     try:
         lo, hi = parse_port_range(la.ray_port_range)
