@@ -127,8 +127,14 @@ lock-check: $(STAMP)
 demo: lock-check sandbox-packages
 	$(VENV)/bin/megatron-arpo demo --config configs/demo.yaml
 
+# Two runs: tests/unit (pure CPU, independent tests) on two pytest-xdist workers, then every other tier in one
+# process, one test at a time (they start engines, Ray and Slurm clusters, multi-process Megatron, and share
+# those through session fixtures). Both always run; the target fails if either does.
 test: lock-check slurm-packages sandbox-packages
-	$(PY) -m pytest tests $(PYTEST_ARGS)
+	@status=0; \
+	$(PY) -m pytest -n 2 tests/unit $(PYTEST_ARGS) || status=1; \
+	$(PY) -m pytest tests --ignore=tests/unit $(PYTEST_ARGS) || status=1; \
+	exit $$status
 
 bench: $(STAMP) sandbox-packages
 	@for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done

@@ -67,6 +67,8 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     p.add_argument("--call-limit", type=int, help="tool calls per trajectory (default rollout.call_limit)")
     p.add_argument("--seed", type=int, help="sampling seed (default rollout.seed)")
     p.add_argument("--dtype", default="auto", help="vLLM dtype: auto, float32, bfloat16 (default: %(default)s)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="vLLM eager mode: no torch.compile at engine start (default rollout.enforce_eager)")
     p.add_argument("--search-corpus", help="enable search with local BM25 over this JSONL corpus")
     p.add_argument("--search-url", help="enable search through this FlashRAG-style retriever URL")
     p.add_argument("--no-python", action="store_true", help="disable the python tool")
@@ -170,7 +172,7 @@ def prepare(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     out_dir = Path(_pick(args.out, default_out))
     temperature = 0.0 if args.greedy else _pick(args.temperature, ev.temperature)
     k = 1 if args.greedy else _pick(args.k, ev.k)
-    rollout = cfg.rollout
+    rollout = dataclasses.replace(cfg.rollout, enforce_eager=True) if args.enforce_eager else cfg.rollout
     response_length = _pick(args.response_length, rollout.response_length)
     call_limit = _pick(args.call_limit, rollout.call_limit)
     seed = _pick(args.seed, rollout.seed)

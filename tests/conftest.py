@@ -5,6 +5,7 @@ claim most of the RAM for KV cache (vLLM's CPU default) and nothing tries to rea
 """
 
 import os
+import sys
 from pathlib import Path
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -25,6 +26,12 @@ os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_TESTS, os.environ.get("P
 import pytest  # noqa: E402
 
 from support.root_logging import restore_root_handlers  # noqa: E402,F401  (autouse: every test)
+
+# The Ray cluster fixtures (tests/integration/ray_cluster.py), defined once for every tier. A session fixture
+# imported into several test modules is a separate fixture per module (pytest keeps one definition per
+# importing module): each module started, and kept until the session ended, a 2-raylet cluster of its own.
+sys.path.insert(0, str(Path(__file__).resolve().parent / "integration"))
+from ray_cluster import _ray_two_node_cluster, ray_single_node, ray_two_nodes  # noqa: E402,F401  (fixtures)
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,8 @@ exported policy), the summary is produced, and a rerun skips every finished stag
 
 The smoke needs the pipeline to run, not to learn: after the demo's own data stage the test points SFT at
 every 14th of its trajectories (129 rows, 3 optimizer steps of 64) and the training's validation at 2
-prompts per data source, with ``--set`` overrides; configs/demo.yaml and the demo's stages are unchanged."""
+prompts per data source, and starts its three vLLM engines eager (``rollout.enforce_eager=true``: no
+torch.compile at each start), with ``--set`` overrides; configs/demo.yaml and the demo's stages are unchanged."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 SHORT = ["sft.epochs=1", "sft.global_batch_size=64", "trainer.total_steps=1", "trainer.train_batch_size=2",
          "actor.mini_batch_size=2", "rollout.n=2", "rollout.initial_rollouts=1", "trainer.val_every=1",
-         "trainer.save_every=1", "eval.max_samples=4", "logging.wandb.mode=offline"]
+         "trainer.save_every=1", "eval.max_samples=4", "logging.wandb.mode=offline", "rollout.enforce_eager=true"]
 
 
 def _demo(run_dir: Path, overrides: list[str], *extra: str) -> subprocess.CompletedProcess:

@@ -11,20 +11,16 @@ kept lean (TP=1, colocated, no checkpoints, short responses) to add little to th
 from __future__ import annotations
 
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
-from ray_cluster import _ray_two_node_cluster  # noqa: E402,F401 (session fixture: 2 raylets)
-from train_helpers import REPO, log_tail, read_rows, train_command, train_env, write_task  # noqa: E402
+from train_helpers import REPO, log_tail, read_rows, train_command, train_env, write_task
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
-def test_two_rl_steps_on_tiny_llama(_ray_two_node_cluster, tmp_path):  # noqa: F811
+def test_two_rl_steps_on_tiny_llama(_ray_two_node_cluster, tmp_path):  # session fixture: tests/conftest.py
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -16,6 +17,10 @@ from typing import Callable
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "test-e2e.yaml"
+
+# Wall-clock measurements (seconds, rates, and the shares derived from them) differ between equal runs.
+WALL_CLOCK = re.compile(r"^time/|_s$|per_s$|^sync/seconds$|_frac$|latency|/seconds")
+DETERMINISTIC_FRACTIONS = {"reward/format_error_frac", "actor/clip_frac", "actor/padding_fraction"}
 
 QUESTIONS = [
     ("What is the capital of Veloria?", "Marisport", "facts"),
@@ -65,6 +70,11 @@ def train_env(data: Path, ray_address: str | None = None) -> dict[str, str]:
                 "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "WANDB_MODE": "offline",
                 "WANDB_SILENT": "true"})
     return env
+
+
+def comparable_values(row: dict) -> dict:
+    """A metrics row without its wall-clock entries: what two equal runs must agree on."""
+    return {k: v for k, v in row.items() if k in DETERMINISTIC_FRACTIONS or not WALL_CLOCK.search(k)}
 
 
 def read_rows(run_dir: Path) -> list[dict]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -63,3 +64,17 @@ def job_env() -> dict[str, str]:
     env["PYTHONPATH"] = str(REPO_ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     return env
+
+
+def wait_requeued(cluster: LocalSlurmCluster, job_id: str, timeout: float) -> None:
+    """Poll until the job is PENDING again after one restart (requeued); fail the test otherwise."""
+    deadline = time.monotonic() + timeout
+    info: dict[str, str] = {}
+    while time.monotonic() < deadline:
+        info = cluster.job_info(job_id)
+        if info.get("Restarts") == "1" and info.get("JobState") == "PENDING":
+            return
+        if info.get("JobState") in ("FAILED", "COMPLETED", "CANCELLED"):
+            break
+        time.sleep(0.3)
+    pytest.fail(f"job {job_id} was not requeued: {info.get('JobState')} restarts {info.get('Restarts')}")

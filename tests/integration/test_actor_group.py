@@ -24,7 +24,6 @@ from megatron_arpo.actor.group import ActorGroup, mean_metrics  # noqa: E402
 from megatron_arpo.config import build_config  # noqa: E402
 from support.scripted import ScriptedEngine  # noqa: E402
 from megatron_arpo.weight_sync.protocol import WeightSyncError  # noqa: E402
-from ray_cluster import ray_two_nodes, _ray_two_node_cluster  # noqa: E402,F401 (fixtures)
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -264,7 +264,7 @@ def test_cli_tiny_model_real_engine(tmp_path, capsys):
     out = tmp_path / "eval"
     argv = ["--model", str(ckpt), "--datasets", "aime24,gsm8k,hotpotqa,gaia", "--data-dir", str(MINI),
             "--k", "2", "--temperature", "1.0", "--response-length", "48", "--out", str(out),
-            "--dtype", "float32", "--max-in-flight", "8"]
+            "--dtype", "float32", "--max-in-flight", "8", "--enforce-eager"]
     assert main(argv) == 0
     table = capsys.readouterr().out
     assert "| aime24 | math | 5 | 2 |" in table and "| gaia | qa | 5 | 2 |" in table

@@ -100,9 +100,11 @@ def _naming(temp_dirs: list[str]) -> list[int]:
             if any(d in " ".join(p.info["cmdline"] or []) for d in temp_dirs)]
 
 
-@pytest.mark.parametrize("nodes,code,pinned", [(2, 0, False), (2, 3, True)])
-def test_launch_local_runs_job_on_cluster_propagates_exit_code_and_cleans_up(tmp_path, nodes, code, pinned):
-    config, job, report = _config(tmp_path, pinned), tmp_path / "job.py", tmp_path / "report.json"
+def test_launch_local_runs_job_on_cluster_propagates_exit_code_and_cleans_up(tmp_path):
+    # One launch (each starts a 2-node Ray cluster): a non-zero code, on the default per-job port blocks;
+    # test_sigterm_stops_job_and_cluster launches on a pinned port plan.
+    nodes, code = 2, 3
+    config, job, report = _config(tmp_path, pinned=False), tmp_path / "job.py", tmp_path / "report.json"
     job.write_text(STAND_IN_JOB)
     result = subprocess.run(_launch_cmd(config, job, report, code, nodes), env=_env(), capture_output=True,
                             text=True, timeout=100)
@@ -122,14 +124,14 @@ def test_launch_local_runs_job_on_cluster_propagates_exit_code_and_cleans_up(tmp
     assert len(data["temp_dirs"]) == nodes and len(data["pids"]) > nodes
     assert _still_running(data["pids"]) == [], out
     assert _naming(data["temp_dirs"]) == []
-    if not pinned:  # derived per-job blocks inside the default range, one per node, disjoint
-        infos = [json.loads(p.read_text()) for p in (run_dir / "ray").glob("*/node-*.json")]
-        blocks = sorted((i["node_manager_port"], i["max_worker_port"]) for i in infos)
-        assert len(blocks) == nodes and blocks[0][1] < blocks[1][0], blocks
-        assert all(20000 <= lo and hi <= 32000 for lo, hi in blocks)
-        # Ray's session logs were copied to the run dir when the nodes stopped.
-        copied = list((run_dir / "logs" / "ray").glob("*/node0/raylet.out"))
-        assert copied and copied[0].stat().st_size > 0, out
+    # Derived per-job blocks inside the default range, one per node, disjoint.
+    infos = [json.loads(p.read_text()) for p in (run_dir / "ray").glob("*/node-*.json")]
+    blocks = sorted((i["node_manager_port"], i["max_worker_port"]) for i in infos)
+    assert len(blocks) == nodes and blocks[0][1] < blocks[1][0], blocks
+    assert all(20000 <= lo and hi <= 32000 for lo, hi in blocks)
+    # Ray's session logs were copied to the run dir when the nodes stopped.
+    copied = list((run_dir / "logs" / "ray").glob("*/node0/raylet.out"))
+    assert copied and copied[0].stat().st_size > 0, out
 
 
 def test_sigterm_stops_job_and_cluster(tmp_path):

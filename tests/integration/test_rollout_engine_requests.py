@@ -16,7 +16,6 @@ Regenerate the record (only with the code before the change):
 from __future__ import annotations
 
 import asyncio
-import gc
 import json
 import sys
 from pathlib import Path
@@ -29,11 +28,11 @@ from megatron_arpo.rollout.protocol import TagProtocol
 from megatron_arpo.rollout.scheduler import RolloutOptions, RolloutPrompt, RolloutScheduler
 from megatron_arpo.tiny.checkpoint import tiny_checkpoint
 from megatron_arpo.tools.registry import build_tools
+from vllm_engine import BLOCK, stop_engine, tiny_qwen3_engine  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.slow
 
 GOLDEN = Path(__file__).parent / "data" / "rollout_vllm_before_issue30.json"
-BLOCK = 32
 WINDOW = 8
 SYSTEM = ("Think inside <think> </think>. To look something up, write a query inside <search> </search>; the "
           "result comes back inside <result> </result>. Answer inside <answer> </answer>.")
@@ -53,19 +52,9 @@ def start_engine(**overrides):
     return VllmEngine(EngineConfig(**cfg))
 
 
-def stop_engine(engine):
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-    asyncio.run(engine.shutdown())
-    gc.collect()
-    cleanup_dist_env_and_memory()
-
-
 @pytest.fixture(scope="module")
-def engine():
-    eng = start_engine()
-    yield eng
-    stop_engine(eng)
+def engine(tiny_qwen3_engine):
+    return tiny_qwen3_engine
 
 
 def tokenizer_of(engine):
@@ -109,6 +98,32 @@ def scenario_rollout(engine, name: str, tmp: Path):
     return asyncio.run(go())
 
 
+# First in the module: its own in-process engine starts and stops before the shared one (vllm_engine.py),
+# which would otherwise lose vLLM's process-wide metrics (prefix_cache_stats) to it.
+def test_seeded_long_contexts_run_with_a_small_batch_budget_on_cpu():
+    """Eight seeded requests with 300-500-token contexts against a 128-token batch budget."""
+    eng = start_engine(max_num_batched_tokens=128, max_model_len=768)
+    try:
+        tokenizer = tokenizer_of(eng)
+        base = prompts(tokenizer)[1].token_ids
+        filler = tokenizer.encode(" ".join(["letters"] * 600), add_special_tokens=False)
+        assert len(base) + len(filler[:475]) + 16 < 768
+
+        async def scenario():
+            requests = [SegmentRequest(f"long{i}", base + filler[:300 + 25 * i], max_tokens=16, seed=100 + i,
+                                       top_logprobs_positions=0) for i in range(8)]
+            return await asyncio.gather(*(eng.generate(r) for r in requests), return_exceptions=True)
+
+        outs = asyncio.run(scenario())
+        failed = [repr(o) for o in outs if isinstance(o, BaseException)]
+        assert not failed, failed[0]  # before: "engine 0 step failed: ... CPU Generator does not use offset"
+        assert all(0 < len(o.token_ids) <= 16 and o.num_prompt_tokens > 300 for o in outs)
+        config = eng._engine.vllm_config.scheduler_config
+        assert not config.enable_chunked_prefill and config.max_num_batched_tokens >= 768
+    finally:
+        stop_engine(eng)
+
+
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_the_rollout_of_a_seed_is_the_one_recorded_before(engine, name, tmp_path):
     from support.rollout_record import load_record, record_differences, rollout_record
@@ -142,30 +157,6 @@ def test_an_entropy_request_repeats_the_leading_tokens_with_their_top_k(engine):
     assert len(twin.top_logprobs) == WINDOW
     for got, want in zip(twin.top_logprobs, full.top_logprobs[:WINDOW]):
         assert got.keys() == want.keys() and list(got.values()) == pytest.approx(list(want.values()), abs=1e-5)
-
-
-def test_seeded_long_contexts_run_with_a_small_batch_budget_on_cpu():
-    """Eight seeded requests with 300-500-token contexts against a 128-token batch budget."""
-    eng = start_engine(max_num_batched_tokens=128, max_model_len=768)
-    try:
-        tokenizer = tokenizer_of(eng)
-        base = prompts(tokenizer)[1].token_ids
-        filler = tokenizer.encode(" ".join(["letters"] * 600), add_special_tokens=False)
-        assert len(base) + len(filler[:475]) + 16 < 768
-
-        async def scenario():
-            requests = [SegmentRequest(f"long{i}", base + filler[:300 + 25 * i], max_tokens=16, seed=100 + i,
-                                       top_logprobs_positions=0) for i in range(8)]
-            return await asyncio.gather(*(eng.generate(r) for r in requests), return_exceptions=True)
-
-        outs = asyncio.run(scenario())
-        failed = [repr(o) for o in outs if isinstance(o, BaseException)]
-        assert not failed, failed[0]  # before: "engine 0 step failed: ... CPU Generator does not use offset"
-        assert all(0 < len(o.token_ids) <= 16 and o.num_prompt_tokens > 300 for o in outs)
-        config = eng._engine.vllm_config.scheduler_config
-        assert not config.enable_chunked_prefill and config.max_num_batched_tokens >= 768
-    finally:
-        stop_engine(eng)
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--record"]:

@@ -21,7 +21,6 @@ from megatron_arpo.rollout.scheduler import RolloutOptions, RolloutPrompt, Rollo
 from megatron_arpo.weight_sync.senders.local import LocalSync
 from megatron_arpo.tiny.checkpoint import tiny_checkpoint
 from megatron_arpo.tools.registry import build_tools
-from ray_cluster import ray_single_node  # noqa: F401  (module-scoped fixture)
 
 pytestmark = pytest.mark.slow
 

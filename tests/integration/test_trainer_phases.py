@@ -35,7 +35,6 @@ ray = pytest.importorskip("ray")
 from ray import cloudpickle  # noqa: E402
 
 from megatron_arpo.config import build_config  # noqa: E402
-from ray_cluster import ray_single_node  # noqa: E402,F401 (module-scoped fixture)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

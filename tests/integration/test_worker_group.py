@@ -14,7 +14,6 @@ ray = pytest.importorskip("ray")
 from ray import cloudpickle  # noqa: E402
 
 from megatron_arpo.cluster.worker_group import WorkerGroup, WorkerGroupError, WorkerGroupTimeout  # noqa: E402
-from ray_cluster import ray_two_nodes, _ray_two_node_cluster  # noqa: E402,F401 (fixtures)
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -83,3 +83,14 @@ def test_rows_without_a_system_prompt_get_the_named_builtin(tmp_path):
     assert ARPO_SYSTEM_PROMPT in prompt and DEFAULT_SYSTEM_PROMPT not in prompt
     assert results["datasets"]["mydata"]["num_samples"] == 1
     assert results["settings"]["system_prompt"] == ARPO_SYSTEM_PROMPT
+
+
+def test_enforce_eager_flag_reaches_the_engine_config(tmp_path):
+    from megatron_arpo.rollout.engine import EngineConfig
+
+    data = tmp_path / "mydata.jsonl"
+    data.write_text(json.dumps({"question": "Sides of a hexagon?", "answer": 6}) + "\n")
+    base = ["--model", str(tiny_checkpoint("tiny-qwen3")), "--datasets", f"{data}:qa", "--out", str(tmp_path / "o")]
+    for extra, eager in (([], False), (["--enforce-eager"], True)):
+        _, engine, _ = prepare(build_parser().parse_args(base + extra))
+        assert EngineConfig.from_rollout_section(engine.model_dir, engine.rollout_section).enforce_eager is eager

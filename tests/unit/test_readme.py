@@ -40,6 +40,13 @@ def test_make_test_collects_every_test_directory():
     assert not skipped, f"make test would not collect {skipped}; change norecursedirs in pytest.ini"
 
 
+def test_make_test_runs_the_unit_tier_and_every_other_tier():
+    """The test target's two pytest runs together cover tests/: the unit tier, and everything but it."""
+    recipe = re.search(r"^test:.*?\n((?:\t.*\n)+)", (ROOT / "Makefile").read_text(), re.M).group(1)
+    runs = re.findall(r"-m pytest (.*?) \$\(PYTEST_ARGS\)", recipe)
+    assert sorted(runs) == ["-n 2 tests/unit", "tests --ignore=tests/unit"], runs
+
+
 def test_readme_is_at_most_15_kb():
     size = len(README.read_bytes())
     assert size <= MAX_BYTES, f"README.md is {size} bytes (at most {MAX_BYTES}): move a section into a page under docs/"
