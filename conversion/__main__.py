@@ -22,18 +22,20 @@ from megatron_arpo.errors import as_symlink_loop
 from megatron_arpo.hf.config_json import FieldChange
 from megatron_arpo.hf.checkpoint_io import parse_size
 from megatron_arpo.device.quiet import quiet_cpu_warnings
+from megatron_arpo.hf.outdir import MARKER
+from megatron_arpo.model_config import load_model_config
 from megatron_arpo.progress import LOGGER_NAME as PROGRESS_LOGGER
 
 
 def _model_cfg(path):
     if path is None:
         return None
-    from megatron_arpo.model_config import load_model_config
 
     return load_model_config(path)
 
 
 def cmd_hf_to_megatron(args) -> int:
+    # deferred: pulls in numpy (heavy; this module imports without it)
     from conversion.dist_ckpt import convert_hf_to_megatron
 
     out = convert_hf_to_megatron(args.hf, args.out, tp=args.tp, pp=args.pp, model_cfg=_model_cfg(args.model_config),
@@ -43,8 +45,8 @@ def cmd_hf_to_megatron(args) -> int:
 
 
 def cmd_megatron_to_hf(args) -> int:
+    # deferred: pulls in numpy (heavy; this module imports without it)
     from conversion.megatron_to_hf import convert_megatron_to_hf
-    from megatron_arpo.hf.outdir import MARKER
 
     out = convert_megatron_to_hf(args.megatron, args.out, tokenizer=args.tokenizer,
                                  max_shard_size=parse_size(args.max_shard_size),
@@ -64,6 +66,7 @@ def cmd_megatron_to_hf(args) -> int:
 
 
 def cmd_verify(args) -> int:
+    # deferred: pulls in torch (heavy; this module imports without it)
     from conversion.verify import run_verify
 
     layouts = [(args.tp, args.pp)] if args.tp or args.pp else None
@@ -72,6 +75,7 @@ def cmd_verify(args) -> int:
 
 
 def cmd_shapes(args) -> int:
+    # deferred: pulls in torch (heavy; this module imports without it)
     from conversion.plan import run_plan
 
     if args.command == "plan":

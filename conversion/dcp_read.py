@@ -153,6 +153,7 @@ class DistCheckpointReader:
                              f"diverged. Convert an earlier checkpoint, or pass --allow-nonfinite to convert as is")
 
     def _load_chunk(self, key: str, offsets: tuple[int, ...]) -> torch.Tensor:
+        # deferred: pulls in torch (heavy; this module imports without it)
         import torch
 
         info = self._storage[(key, offsets)]
@@ -171,6 +172,7 @@ class DistCheckpointReader:
 
     def read(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
         """The region ``[offsets, offsets + sizes)`` of tensor ``key`` (global coordinates)."""
+        # deferred: pulls in torch (heavy; this module imports without it)
         import torch
 
         info = self.tensors[key]

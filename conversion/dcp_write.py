@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from megatron_arpo.hf import mapping
-from megatron_arpo.hf.checkpoint_io import ELEMENT_SIZES
+from megatron_arpo.hf.checkpoint_io import ELEMENT_SIZES, torch_dtype
 from conversion.megatron_to_hf import dist_key
 from conversion import torch_pickle as tp_pickle
 from conversion.torch_record import BLOCK, Segment, saved_object, write_tensor_record
@@ -178,7 +178,6 @@ class ChunkResolver:
 
     @property
     def dtype(self) -> torch.dtype:  # torch only when a chunk is built
-        from megatron_arpo.hf.checkpoint_io import torch_dtype
 
         return torch_dtype(self.dtype_name)
 
@@ -259,6 +258,7 @@ def copy_segments(reader: HFCheckpointReader, cfg: ModelConfig, chunk: Chunk, dt
 
 
 def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    # deferred: pulls in torch (heavy; this module imports without it)
     import torch
 
     return tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data

@@ -38,11 +38,14 @@ from typing import TYPE_CHECKING
 
 import yaml
 
+from conversion.dcp_write import write_torch_dist
 from megatron_arpo.hf import mapping
 from megatron_arpo.hf.checkpoint_io import HFCheckpointReader, copy_tokenizer_files, dtype_name
 from conversion.megatron_to_hf import (  # noqa: F401  (re-exported: the reading half)
     convert_megatron_to_hf, dist_key, find_model_config, resolve_checkpoint_dir)
-from megatron_arpo.model_config import ModelConfig, read_hf_config
+from megatron_arpo.hf.config_json import store_original_config
+from megatron_arpo.hf.outdir import atomic_output_dir, check_distinct_paths, check_output_dir, write_marker
+from megatron_arpo.model_config import ModelConfig, model_config_from_hf, read_hf_config
 
 if TYPE_CHECKING:
     import torch
@@ -55,8 +58,6 @@ def write_megatron_checkpoint(reader: HFCheckpointReader, cfg: ModelConfig, out:
 
     ``dtype`` (default: the checkpoint's) is a name or a ``torch.dtype``; torch is imported only to cast.
     """
-    from conversion.dcp_write import write_torch_dist
-
     # As Megatron's Float16Module does for a bf16/fp16 run: norms too are stored in the params dtype.
     params_dtype = dtype_name(dtype) if dtype is not None else reader.locate("model.norm.weight").dtype
     write_torch_dist(reader, cfg, out, tp, params_dtype)
@@ -66,10 +67,6 @@ def convert_hf_to_megatron(hf_dir: str | os.PathLike, out: str | os.PathLike, tp
                            model_cfg: ModelConfig | None = None, overwrite: bool = False,
                            dtype: torch.dtype | str | None = None) -> Path:
     """``hf-to-megatron``: validate, then write the checkpoint atomically (temp dir, rename)."""
-    from megatron_arpo.hf.config_json import store_original_config
-    from megatron_arpo.hf.outdir import atomic_output_dir, check_distinct_paths, check_output_dir, write_marker
-    from megatron_arpo.model_config import model_config_from_hf
-
     check_distinct_paths(out, {"--hf": hf_dir})
     check_output_dir(out, overwrite)
     hf_config = read_hf_config(hf_dir)

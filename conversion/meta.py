@@ -19,8 +19,12 @@ import logging
 from typing import Iterator
 
 import torch
+import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from megatron_arpo.actor.model_builder import build_transformer_config, get_layer_spec
+from megatron_arpo.device.cpu_compat import apply_cpu_compat
 from megatron_arpo.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -41,11 +45,9 @@ class MetaDeviceMode(TorchFunctionMode):
 def build_meta_gpt_model(cfg: ModelConfig, tp: int, pp: int, padded_vocab: int | None = None,
                          params_dtype: torch.dtype = torch.float32):
     """This rank's GPTModel on the meta device (parallel state must be initialised, real or fake)."""
+    # deferred: pulls in megatron-core (heavy; this module imports without it)
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-
-    from megatron_arpo.device.cpu_compat import apply_cpu_compat
-    from megatron_arpo.actor.model_builder import build_transformer_config, get_layer_spec
 
     apply_cpu_compat()
     config = build_transformer_config(cfg, tensor_parallel=tp, pipeline_parallel=pp, params_dtype=params_dtype,
@@ -69,9 +71,8 @@ def build_meta_gpt_model(cfg: ModelConfig, tp: int, pp: int, padded_vocab: int |
 @contextlib.contextmanager
 def fake_rank(rank: int, tp: int, pp: int) -> Iterator[None]:
     """Megatron parallel state of global rank ``rank`` in a fake ``tp * pp`` world (one process)."""
-    import torch.distributed as dist
+    # deferred: pulls in megatron-core (heavy; this module imports without it)
     from megatron.core import parallel_state
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
         raise RuntimeError("fake_rank needs a process without a torch.distributed group")

@@ -18,10 +18,19 @@ from typing import Any
 
 import torch
 
+from megatron_arpo.actor import hf_live as live
+
+from megatron_arpo.actor.model_builder import build_gpt_model, causal_attention_mask, initialize_model_parallel
+
+from megatron_arpo.hf.checkpoint_io import HFCheckpointReader
+
+from megatron_arpo.model_config import load_model_config, model_config_from_hf, read_hf_config
+
 logger = logging.getLogger(__name__)
 
 
 def hf_logits(hf_dir: str, tokens: torch.Tensor) -> torch.Tensor:
+    # deferred: pulls in transformers (heavy; this module imports without it)
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
@@ -32,8 +41,8 @@ def hf_logits(hf_dir: str, tokens: torch.Tensor) -> torch.Tensor:
 
 def megatron_logits(model, cfg, tokens: torch.Tensor) -> torch.Tensor | None:
     """Full-vocab logits [batch, seq, vocab] on the last pipeline stage, None elsewhere."""
+    # deferred: pulls in megatron-core (heavy; this module imports without it)
     from megatron.core import parallel_state as ps
-    from megatron_arpo.actor.model_builder import causal_attention_mask
 
     batch, seq = tokens.shape
     position_ids = torch.arange(seq).unsqueeze(0).expand(batch, seq)
@@ -60,6 +69,7 @@ def megatron_logits(model, cfg, tokens: torch.Tensor) -> torch.Tensor | None:
 
 def load_megatron_dist_checkpoint(model, megatron_dir: str) -> None:
     """Load a Megatron distributed checkpoint into ``model`` with Megatron's own loader."""
+    # deferred: pulls in megatron-core (heavy; this module imports without it)
     from megatron.core import dist_checkpointing
 
     from conversion.dist_ckpt import resolve_checkpoint_dir
@@ -74,12 +84,8 @@ def load_megatron_dist_checkpoint(model, megatron_dir: str) -> None:
 
 def parity_worker(rank: int, world_size: int, hf_dir: str, model_config: str | None, tp: int, pp: int,
                   tokens: torch.Tensor, megatron_dir: str | None = None) -> dict[str, Any]:
+    # deferred: pulls in megatron-core (heavy; this module imports without it)
     from megatron.core import parallel_state as ps
-
-    from megatron_arpo.actor import hf_live as live
-    from megatron_arpo.hf.checkpoint_io import HFCheckpointReader
-    from megatron_arpo.actor.model_builder import build_gpt_model, initialize_model_parallel
-    from megatron_arpo.model_config import load_model_config, model_config_from_hf, read_hf_config
 
     cfg = load_model_config(model_config) if model_config else model_config_from_hf(read_hf_config(hf_dir))
     initialize_model_parallel(tp, pp, seed=1234)

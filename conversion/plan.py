@@ -15,16 +15,17 @@ from typing import Callable
 
 import torch
 
+from conversion.meta import build_meta_gpt_model, fake_rank
 from megatron_arpo.hf import mapping
+from megatron_arpo.hf.checkpoint_io import torch_dtype
 from megatron_arpo.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
 
 def plan_rank(cfg: ModelConfig, tp: int, pp: int, rank: int) -> dict:
+    # deferred: pulls in megatron-core (heavy; this module imports without it)
     from megatron.core import parallel_state as ps
-
-    from conversion.meta import build_meta_gpt_model, fake_rank
 
     with fake_rank(rank, tp, pp):
         tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
@@ -52,8 +53,6 @@ def plan_rank(cfg: ModelConfig, tp: int, pp: int, rank: int) -> dict:
 
 def run_plan(cfg: ModelConfig, tp: int, pp: int, emit: Callable[[str], None]) -> bool:
     """Check every rank's shapes; the report lines go to ``emit`` (the CLI passes ``print``)."""
-    from megatron_arpo.hf.checkpoint_io import torch_dtype
-
     mapping.check_layout(cfg, tp, pp, "plan")
     element = torch.empty((), dtype=torch_dtype(cfg.torch_dtype)).element_size()
     rows = [plan_rank(cfg, tp, pp, rank) for rank in range(tp * pp)]

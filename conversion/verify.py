@@ -21,6 +21,14 @@ from pathlib import Path
 
 import torch
 
+from conversion.parity import parity_worker
+
+from megatron_arpo.device.local_ranks import run_distributed
+
+from megatron_arpo.hf.checkpoint_io import HFCheckpointReader
+
+from megatron_arpo.model_config import load_model_config, model_config_from_hf, read_hf_config
+
 logger = logging.getLogger(__name__)
 
 LOGIT_TOLERANCE = 1e-4
@@ -29,8 +37,6 @@ DEFAULT_LAYOUTS = ((1, 1), (2, 1), (1, 2))
 
 def compare_hf_dirs(original: str | Path, converted: str | Path) -> list[str]:
     """Per-tensor differences between two HF checkpoints (empty list when bit-exact)."""
-    from megatron_arpo.hf.checkpoint_io import HFCheckpointReader
-
     a, b = HFCheckpointReader(original), HFCheckpointReader(converted)
     problems = [f"{n}: missing after round trip" for n in sorted(set(a.names()) - set(b.names()))]
     problems += [f"{n}: not in the original" for n in sorted(set(b.names()) - set(a.names()))]
@@ -48,11 +54,8 @@ def compare_hf_dirs(original: str | Path, converted: str | Path) -> list[str]:
 def run_verify(hf_dir: str, emit: Callable[[str], None], model_config: str | None = None, layouts=None,
                timeout: float = 600) -> bool:
     """Round trip + parity checks; the report table goes to ``emit`` (the CLI passes ``print``)."""
+    # deferred: pulls in numpy (heavy; this module imports without it)
     from conversion.dist_ckpt import convert_hf_to_megatron, convert_megatron_to_hf
-    from megatron_arpo.hf.checkpoint_io import HFCheckpointReader
-    from conversion.parity import parity_worker
-    from megatron_arpo.model_config import load_model_config, model_config_from_hf, read_hf_config
-    from megatron_arpo.device.local_ranks import run_distributed
 
     cfg = load_model_config(model_config) if model_config else model_config_from_hf(read_hf_config(hf_dir))
     layouts = list(layouts or DEFAULT_LAYOUTS)

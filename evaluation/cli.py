@@ -24,7 +24,14 @@ import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from evaluation.datasets import DATASETS, DatasetError, parse_dataset_names
+from evaluation.report import format_markdown
+from evaluation.runner import EngineSpec, EvalError, EvalSettings, LazyGenerator, open_rollout_generator, run_evaluation
 from megatron_arpo.command_args import DeprecatedAlias
+from megatron_arpo.config import ConfigError, ExperimentConfig, load_config
+from megatron_arpo.data.chat import ChatFormatError, load_chat_format
+from megatron_arpo.data.fields import FieldKeys
+from megatron_arpo.data.system_prompts import resolve_system_prompt
 from megatron_arpo.errors import as_symlink_loop
 from megatron_arpo.redaction import install_log_redaction
 
@@ -35,8 +42,6 @@ EXIT_BAD_INPUT = 2
 
 
 def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
-    from evaluation.datasets import DATASETS
-
     p = argparse.ArgumentParser(
         prog=prog, description="Evaluate a checkpoint with the training tool loop: pass@1 mean±std, pass@k, "
                                "EM/F1/accuracy/math equivalence, optional LLM judge. Resumable.",
@@ -78,8 +83,6 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
 
 def _load_sections(args: argparse.Namespace) -> Any:
     """The experiment config: --config with --set, or the dataclass defaults."""
-    from megatron_arpo.config import ConfigError, ExperimentConfig, load_config
-
     if args.config:
         return load_config(args.config, args.overrides)
     if args.overrides:
@@ -105,8 +108,6 @@ def _tools_config(args: argparse.Namespace, cfg: Any, out_dir: Path) -> dict[str
     if tools["search"]["enabled"] and tools["search"]["backend"] == "local":
         corpus = tools["search"].get("corpus")
         if not corpus or not Path(corpus).exists():
-            from evaluation.runner import EvalError
-
             raise EvalError(f"search corpus {corpus!r} not found; pass --search-corpus PATH (a JSONL corpus) "
                             "or set tools.search.corpus")
     return tools
@@ -115,9 +116,6 @@ def _tools_config(args: argparse.Namespace, cfg: Any, out_dir: Path) -> dict[str
 def load_chat(model_dir: str, tokenizer_dir: Optional[str] = None, chat_template_file: Optional[str] = None,
               enable_thinking: Optional[bool] = None) -> Any:
     """The checkpoint's `ChatFormat` (tokenizer, chat template, EOS ids, thinking prefix); EvalError otherwise."""
-    from evaluation.runner import EvalError
-    from megatron_arpo.data.chat import ChatFormatError, load_chat_format
-
     tokenizer = load_tokenizer(model_dir, tokenizer_dir)
     try:
         return load_chat_format(tokenizer, model_dir, tokenizer_dir=tokenizer_dir or model_dir,
@@ -128,8 +126,6 @@ def load_chat(model_dir: str, tokenizer_dir: Optional[str] = None, chat_template
 
 def load_tokenizer(model_dir: str, tokenizer_dir: Optional[str] = None) -> Any:
     """The checkpoint's tokenizer; a clear EvalError when there is none."""
-    from evaluation.runner import EvalError
-
     model_path = Path(model_dir)
     if not model_path.is_dir():
         raise EvalError(f"--hf {model_dir!r} is not a directory; give an HF checkpoint directory "
@@ -142,6 +138,7 @@ def load_tokenizer(model_dir: str, tokenizer_dir: Optional[str] = None) -> Any:
     if not any((tok_path / n).exists() for n in names):
         raise EvalError(f"{str(tok_path)!r} has no tokenizer (none of {', '.join(names)}); copy the tokenizer "
                         "files of the base model into the checkpoint directory, or pass --tokenizer DIR")
+    # deferred: pulls in transformers (heavy; this module imports without it)
     from transformers import AutoTokenizer
 
     try:
@@ -158,11 +155,6 @@ def _pick(*values: Any) -> Any:
 
 def prepare(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     """(EvalSettings, EngineSpec, judge kwargs or None) from the parsed arguments; raises on bad input."""
-    from evaluation.datasets import parse_dataset_names
-    from evaluation.runner import EngineSpec, EvalError, EvalSettings
-    from megatron_arpo.data.fields import FieldKeys
-    from megatron_arpo.data.system_prompts import resolve_system_prompt
-
     cfg = _load_sections(args)
     ev = cfg.eval
     model = _pick(args.model, cfg.model.hf_checkpoint)
@@ -225,8 +217,8 @@ def prepare(args: argparse.Namespace) -> tuple[Any, Any, Any]:
 
 
 async def _run(settings: Any, engine: Any, judge_kwargs: Optional[dict]) -> dict:
+    # deferred: pulls in sqlite3, which this module's importers need not load
     from evaluation.judge import JudgeClient
-    from evaluation.runner import LazyGenerator, open_rollout_generator, run_evaluation
 
     judge = JudgeClient(**judge_kwargs) if judge_kwargs else None
     # The engine starts only if something is left to generate (a finished run resumes without one).
@@ -240,11 +232,6 @@ async def _run(settings: Any, engine: Any, judge_kwargs: Optional[dict]) -> dict
 
 
 def main(argv: Optional[Sequence[str]] = None, prog: str = PROG) -> int:
-    from evaluation.datasets import DatasetError
-    from evaluation.report import format_markdown
-    from evaluation.runner import EvalError
-    from megatron_arpo.config import ConfigError
-
     args = build_parser(prog).parse_args(list(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

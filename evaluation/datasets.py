@@ -28,6 +28,7 @@ Sample ids: the row's ``id`` / ``task_id`` / ``unique_id`` / ``idx`` when presen
 
 from __future__ import annotations
 
+import difflib
 import logging
 import re
 from dataclasses import dataclass, field
@@ -186,8 +187,6 @@ def resolve_dataset(name: str) -> DatasetSpec:
         return DatasetSpec(name=base, task=task, description="custom")
     spec = DATASETS.get(raw.lower())
     if spec is None:
-        import difflib
-
         close = difflib.get_close_matches(raw.lower(), list(DATASETS), n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise DatasetError(f"unknown dataset {raw!r}{hint}; known datasets: {_known_names()}. For another "

@@ -262,6 +262,7 @@ class JudgeClient:
         return headers
 
     async def _get_session(self) -> Any:
+        # deferred: pulls in aiohttp (heavy; this module imports without it)
         import aiohttp
 
         if self._session is None:
@@ -298,6 +299,7 @@ class JudgeClient:
         return content or ""
 
     async def _with_retries(self, method: str, url: str, body: Optional[dict]) -> Any:
+        # deferred: pulls in aiohttp (heavy; this module imports without it)
         import aiohttp
 
         session = await self._get_session()

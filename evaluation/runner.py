@@ -41,6 +41,10 @@ from evaluation.metrics import accuracy, exact_match, extract_answer, math_equal
 from evaluation.report import aggregate_dataset, format_markdown, write_json_atomic, write_jsonl_atomic, write_text_atomic
 from megatron_arpo.data.fields import FieldKeys
 from megatron_arpo.progress import Progress
+from megatron_arpo.rewards import get_reward_fn
+from megatron_arpo.rewards.text import as_gold_list
+from megatron_arpo.rollout.group import RolloutGroup
+from megatron_arpo.tools.registry import build_tools
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +117,7 @@ class RolloutGenerator:
         self.num_generations = 0
 
     async def generate(self, sample: EvalSample, run: int, messages: list[dict[str, str]]) -> Generation:
+        # deferred: pulls in numpy, torch (heavy; this module imports without it)
         from megatron_arpo.rollout.scheduler import RolloutPrompt
 
         prompt = RolloutPrompt(prompt_id=sample.sample_id, token_ids=list(self.render(messages)))
@@ -156,10 +161,9 @@ class open_rollout_generator:
         self.generator: Optional[RolloutGenerator] = None
 
     async def __aenter__(self) -> RolloutGenerator:
+        # deferred: pulls in torch (heavy; this module imports without it)
         from megatron_arpo.rollout.engine import EngineConfig, VllmEngine
-        from megatron_arpo.rollout.group import RolloutGroup
         from megatron_arpo.rollout.scheduler import RolloutScheduler
-        from megatron_arpo.tools.registry import build_tools
 
         s = self.spec
         if getattr(s.rollout_section, "num_engines", 1) > 1:
@@ -214,6 +218,7 @@ class LazyGenerator:
 def eval_rollout_options(rollout_section: Any, *, temperature: float, top_p: float, response_length: int,
                          call_limit: int, seed: int, max_model_len: Optional[int]) -> Any:
     """Validation-mode scheduler options: n = 1, no branching, greedy iff temperature == 0."""
+    # deferred: pulls in numpy, torch (heavy; this module imports without it)
     from megatron_arpo.rollout.scheduler import RolloutOptions
 
     base = RolloutOptions.from_config(rollout_section) if rollout_section is not None else RolloutOptions()
@@ -226,8 +231,6 @@ def eval_rollout_options(rollout_section: Any, *, temperature: float, top_p: flo
 # -------------------------------------------------------------------------------------------- scoring
 def score_response(sample: EvalSample, response_text: str, reward_fn: Callable[..., float]) -> tuple[str, dict]:
     """(prediction, metrics) of one response; metrics are floats in [0, 1] (reward: the reward's range)."""
-    from megatron_arpo.rewards.text import as_gold_list
-
     prediction = extract_answer(response_text)
     golds = as_gold_list(sample.gold, split_list=sample.task == "qa")
     metrics = {
@@ -307,8 +310,6 @@ def build_messages(sample: EvalSample, system_prompt: Optional[str]) -> list[dic
 
 async def _generate_dataset(spec: DatasetSpec, samples: list[EvalSample], settings: EvalSettings,
                             generator: Generator, store: SampleStore) -> dict[str, int]:
-    from megatron_arpo.rewards import get_reward_fn
-
     reward_fn = get_reward_fn(spec.task_type.reward)
     done = store.load()
     todo = [(s, run) for run in range(settings.k) for s in samples if (s.sample_id, run) not in done]

@@ -25,11 +25,13 @@ import dataclasses
 import json
 import logging
 import os
+import shlex
 import sys
 from pathlib import Path
 from typing import Any, Sequence
 
 from megatron_arpo.command_args import PROG, DeprecatedAlias
+from megatron_arpo.config import ConfigError, load_config, read_yaml_file
 from megatron_arpo.errors import InputError
 from megatron_arpo.fsutil import atomic_write
 
@@ -49,8 +51,6 @@ PREFLIGHT_JOBS = ("train", "sft", "eval")
 
 
 def _load_yaml(path: str) -> dict[str, Any]:
-    from megatron_arpo.config import ConfigError, read_yaml_file
-
     data = read_yaml_file(path, "config file") or {}
     if not isinstance(data, dict):
         raise ConfigError([f"{path}: expected a mapping at the top level, got {type(data).__name__}"])
@@ -96,6 +96,7 @@ def job_of(command: Sequence[str]) -> str | None:
 
 def run_preflight(cfg, command: Sequence[str], skip: bool) -> None:
     """The pre-flight of the job ``command`` runs; PreflightError (exit 2) listing every problem."""
+    # deferred: pulls in asyncio, ctypes, urllib, which this module's importers need not load
     from megatron_arpo.preflight import preflight
 
     job = job_of(command)
@@ -108,12 +109,9 @@ def run_preflight(cfg, command: Sequence[str], skip: bool) -> None:
 
 
 def _run_slurm(args) -> int:
-    import shlex
-
+    # deferred: only this subcommand needs it (keeps `launch --help` light)
     from launchers.options import launcher_options
     from launchers.slurm import container_mount_paths, default_command, log_paths, render_sbatch, submit
-
-    from megatron_arpo.config import load_config
 
     cfg = load_config(args.config, args.set or ())
     overrides = {"run_dir": str(cfg.run_dir)}
@@ -161,8 +159,7 @@ def _add_local(sub) -> None:
 
 
 def _run_local(args) -> int:
-    import shlex
-
+    # deferred: only this subcommand needs it (keeps `launch --help` light)
     from launchers.local import launch_local
 
     command = shlex.split(args.command) if args.command else None
@@ -202,6 +199,7 @@ def _add_ray_node(sub) -> None:
 
 
 def _run_ray_node(args) -> int:
+    # deferred: only this subcommand needs it (keeps `launch --help` light)
     from megatron_arpo.cluster.bootstrap import NodeOptions, PortPlan, run_ray_node
     from megatron_arpo.cluster.ports import parse_port_range
 
@@ -254,6 +252,7 @@ def _add_plan(sub) -> None:
 
 
 def _run_plan(args) -> int:
+    # deferred: only this subcommand needs it (keeps `launch --help` light)
     from launchers.planner import format_plan, make_plan, plan_input_from_config
 
     if args.cmd == "plan":
@@ -268,6 +267,7 @@ def _run_plan(args) -> int:
         raise InputError(str(exc)) from exc
     measured = None
     if args.measure:
+        # deferred: only this subcommand needs it (keeps `launch --help` light)
         from launchers.measure import as_dict, format_measured, measure
 
         try:

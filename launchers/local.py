@@ -42,6 +42,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Callable, Sequence
 
+import psutil
+
+from megatron_arpo.cluster.bootstrap import NodeOptions, plan_from_launcher
+from megatron_arpo.cluster.launch_options import ray_node_args
+from megatron_arpo.cluster.runtime import set_parent_death_signal
+from megatron_arpo.config import load_config
 from megatron_arpo.fsutil import atomic_write
 from megatron_arpo.progress import is_terminal, strip_ansi_bytes
 
@@ -90,9 +96,6 @@ class LocalLaunch:
 def plan_local_launch(cfg, num_nodes: int = 1, command: Sequence[str] | None = None,
                       job_id: str | None = None) -> LocalLaunch:
     """The commands of a local launch of experiment config ``cfg`` (an ``ExperimentConfig``)."""
-    from megatron_arpo.cluster.launch_options import ray_node_args
-    from megatron_arpo.cluster.bootstrap import NodeOptions, plan_from_launcher
-
     if num_nodes < 1:
         raise ValueError(f"launch local: --nodes {num_nodes}; allowed: an integer >= 1")
     la = cfg.launcher
@@ -153,8 +156,6 @@ def _pump(src: IO[bytes], sinks: Sequence[IO[bytes]]) -> None:
 
 
 def _processes_naming(markers: Sequence[str]) -> list:
-    import psutil
-
     found = []
     for p in psutil.process_iter(["pid", "cmdline"]):
         cmdline = " ".join(p.info.get("cmdline") or [])
@@ -164,8 +165,6 @@ def _processes_naming(markers: Sequence[str]) -> list:
 
 
 def _tree(procs: Sequence[subprocess.Popen]) -> list:
-    import psutil
-
     out = []
     for proc in procs:
         try:
@@ -177,8 +176,6 @@ def _tree(procs: Sequence[subprocess.Popen]) -> list:
 
 
 def _kill(victims: Sequence) -> None:
-    import psutil
-
     for p in victims:
         try:
             p.kill()
@@ -275,8 +272,6 @@ def run_local_launch(launch: LocalLaunch, console: IO[bytes] | None = None, work
 
 
 def _pdeathsig() -> None:
-    from megatron_arpo.cluster.runtime import set_parent_death_signal
-
     set_parent_death_signal()
 
 
@@ -284,8 +279,6 @@ def launch_local(config: str, overrides: Sequence[str] = (), num_nodes: int = 1,
                  dry_run: bool = False, check: Callable[[Any, Sequence[str]], None] | None = None) -> int:
     """``megatron-arpo launch local``: returns the job's exit code (0 for a dry run). ``check(cfg, job_command)``
     (the pre-flight) runs before anything starts and raises on a problem."""
-    from megatron_arpo.config import load_config
-
     cfg = load_config(config, overrides)
     launch = plan_local_launch(cfg, num_nodes=num_nodes, command=command)
     if dry_run:

@@ -13,7 +13,9 @@ import difflib
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from megatron_arpo.cluster.allocation import resource_problems
 from megatron_arpo.cluster.launch_options import PREEMPT_EXIT_CODE, LauncherSection  # noqa: F401
+from megatron_arpo.cluster.ports import parse_port_range
 from megatron_arpo.errors import InputError
 
 @dataclass(frozen=True)
@@ -56,8 +58,6 @@ def validate_launcher_options(opts: LauncherOptions) -> None:
         raise bad("ready_timeout", opts.ready_timeout, "a positive number of seconds")
     if not isinstance(opts.env, dict) or not all(isinstance(k, str) for k in opts.env):
         raise bad("env", opts.env, "a mapping of environment variable names to values")
-    from megatron_arpo.cluster.allocation import resource_problems
-    from megatron_arpo.cluster.ports import parse_port_range
 
     for problem in resource_problems(opts):
         raise LauncherError(problem)

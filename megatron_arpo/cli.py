@@ -25,7 +25,7 @@ import yaml
 
 from megatron_arpo import __version__
 from megatron_arpo.command_args import PROG, add_config_arguments, config_from_args
-from megatron_arpo.config import config_warnings
+from megatron_arpo.config import config_warnings, describe_fields
 from megatron_arpo.errors import InputError, as_symlink_loop
 from megatron_arpo.device.quiet import quiet_cpu_warnings
 
@@ -82,6 +82,7 @@ def config_main(argv: Sequence[str]) -> int:
         else:
             print(yaml.safe_dump(data, sort_keys=False, default_flow_style=False), end="")
         return 0
+    # deferred: pulls in asyncio, ctypes, urllib, which this module's importers need not load
     from megatron_arpo.preflight import PreflightError, find_problems, tool_problems
 
     # The checks `launch` runs before it submits: the tools on this machine (sandbox, interpreter, keys, the
@@ -97,8 +98,6 @@ def config_main(argv: Sequence[str]) -> int:
 
 def render_config_reference() -> str:
     """The markdown table of every config key; docs/configuration.md embeds it (a test keeps them equal)."""
-    from megatron_arpo.config import describe_fields
-
     rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
     for key, type_name, default, help_text in describe_fields():
         shown = "" if default is None else json.dumps(default) if not isinstance(default, str) else default

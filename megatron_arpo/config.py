@@ -600,6 +600,7 @@ def validate(cfg: ExperimentConfig) -> list[str]:
         errors.append("trainer.resume: empty; allowed: auto | none | PATH of a checkpoint")
     la = cfg.launcher
     errors.extend(_launcher_port_problems(la))
+    # deferred: every command imports this module at start-up; only validation needs it
     from megatron_arpo.cluster.allocation import resource_problems
 
     errors.extend(resource_problems(la))
@@ -637,6 +638,7 @@ def off_policy_problems(cfg: ExperimentConfig) -> list[str]:
 
 
 def _launcher_port_problems(la: LauncherSection) -> list[str]:
+    # deferred: every command imports this module at start-up; only validation needs it
     from megatron_arpo.cluster.ports import parse_port_range
 
     errors = []

@@ -60,6 +60,7 @@ def apply_actor_settings(deterministic: bool) -> None:
     """
     if not deterministic:
         return
+    # deferred: pulls in torch (heavy; this module imports without it)
     import torch  # a rank imports torch anyway; this module stays importable without it for config checks
 
     os.environ.update(actor_env(True))

@@ -47,6 +47,8 @@ from typing import Callable, Iterable, Mapping, Sequence
 from megatron_arpo.cluster.ray_compat import (OVERRIDE_ON_ZERO, RAY_FIX, RAY_KEEPS_BY_DEFAULT, installed_ray_version,
                                               parse_version, ray_version_problem)
 from megatron_arpo.command_args import PROG
+from megatron_arpo.config import load_config
+from megatron_arpo.tools.registry import build_python_tool
 
 VLLM_SERIES = "0.32"
 MEGATRON_CORE_VERSION = "0.16.1"
@@ -129,6 +131,7 @@ def check_gpu_memory(min_gib: float) -> Check:
 
 def check_nccl() -> Check:
     torch = importlib.import_module("torch")
+    # deferred: pulls in torch (heavy; this module imports without it)
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_nccl_available():
@@ -296,8 +299,8 @@ def check_run_dir(run_dir: Path, mounts_file: str = "/proc/mounts") -> list[Chec
 
 def check_sandbox(python_section: Mapping | None = None) -> Check:
     """The python tool's own sandbox probe (``tools.python``): one trivial run in bubblewrap."""
+    # deferred: pulls in ctypes, which this module's importers need not load
     from megatron_arpo.tools.containment import SandboxUnavailable
-    from megatron_arpo.tools.registry import build_python_tool
 
     section = dict(python_section or {})
     if section and not section.get("enabled", True):
@@ -364,8 +367,6 @@ def doctor_main(argv: Sequence[str], emit: Callable[[str], None] = print) -> int
     run_dir = Path(args.run_dir) if args.run_dir else Path(".")
     python_section = None
     if args.config:
-        from megatron_arpo.config import load_config
-
         cfg = load_config(args.config, args.overrides)
         run_dir = Path(args.run_dir) if args.run_dir else cfg.run_dir
         python_section = cfg.to_dict()["tools"]["python"]

@@ -6,6 +6,7 @@ the target, so a reader (or a run killed mid-write) sees either the old file or 
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 from contextlib import contextmanager
@@ -56,6 +57,7 @@ _sync_file_range = None  # libc's sync_file_range once looked up, False where th
 def _libc_sync_file_range():
     global _sync_file_range
     if _sync_file_range is None:
+        # deferred: pulls in ctypes, which this module's importers need not load
         import ctypes
 
         try:
@@ -115,8 +117,8 @@ class WriteBehind:
         self.wrote(self.frontier, nbytes)
 
     def _call(self, offset: int, nbytes: int, flags: int) -> None:
+        # deferred: pulls in ctypes, which this module's importers need not load
         import ctypes
-        import errno
 
         if self._func(self.fd, offset, nbytes, flags) != 0:
             err = ctypes.get_errno()

@@ -202,6 +202,7 @@ def tokenizer_problems(cfg: Any) -> list[str]:
     if not any((tok_dir / name).exists() for name in TOKENIZER_FILES):
         return [f"{key}: {tok_dir} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); copy the base model's "
                 f"tokenizer files there, or set model.tokenizer to a directory that has them"]
+    # deferred: pulls in transformers (heavy; this module imports without it)
     from transformers import AutoTokenizer  # heavy (seconds): only when there are tokenizer files to load
 
 

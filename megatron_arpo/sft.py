@@ -31,8 +31,15 @@ import math
 import time
 from pathlib import Path
 from typing import Any, Sequence
+from megatron_arpo.cluster.runtime import connect_ray
 from megatron_arpo.command_args import PROG, add_config_arguments, config_from_args
+from megatron_arpo.config import ConfigError, validate_paths, with_absolute_paths
+from megatron_arpo.data.chat import load_chat_format
+from megatron_arpo.data.fields import FieldKeys
+from megatron_arpo.data.sft import load_sft_examples
 from megatron_arpo.progress import Progress
+from megatron_arpo.tracking import setup_console_logging
+from megatron_arpo.trainer.signals import StopRequest
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +63,7 @@ def _cpus_per_rank(cfg) -> float | None:
     intra-op threads); on GPU nodes the actor group's default (one CPU per GPU rank) stands."""
     if cfg.launcher.gpus_per_node > 0:
         return None
+    # deferred: pulls in ray (heavy; this module imports without it)
     import ray
 
     return float(max(1, int(ray.cluster_resources().get("CPU", 1) // cfg.layout.world_size)))
@@ -63,20 +71,14 @@ def _cpus_per_rank(cfg) -> float | None:
 
 def run_sft(cfg, resume: str = "auto") -> dict[str, Any]:
     """SFT of ``cfg`` on the actor group; returns losses, output paths, steps and the exit code."""
+    # deferred: pulls in transformers (heavy; this module imports without it)
     from transformers import AutoTokenizer
 
     from megatron_arpo.actor.group import ActorGroup
     from megatron_arpo.actor.optimizer import settings_for_sft
-    from megatron_arpo.cluster.runtime import connect_ray
-    from megatron_arpo.config import ConfigError
-    from megatron_arpo.data.chat import load_chat_format
     from megatron_arpo.data.sampler import EpochSampler
-    from megatron_arpo.data.fields import FieldKeys
-    from megatron_arpo.data.sft import load_sft_examples
     from megatron_arpo.trainer.checkpointing import ResumeError, is_due, resolve_resume
-    from megatron_arpo.config import with_absolute_paths
     from megatron_arpo.trainer.runtime import record_placement
-    from megatron_arpo.trainer.signals import StopRequest
 
     cfg = with_absolute_paths(cfg)  # the ranks do not share the driver's working directory
     if not cfg.model.hf_checkpoint:
@@ -166,9 +168,6 @@ def run_sft(cfg, resume: str = "auto") -> dict[str, Any]:
 
 
 def sft_main(argv: Sequence[str]) -> int:
-    from megatron_arpo.config import validate_paths
-    from megatron_arpo.tracking import setup_console_logging
-
     parser = argparse.ArgumentParser(prog=f"{PROG} sft", description=__doc__.split("\n\n")[0])
     add_config_arguments(parser)
     parser.add_argument("--resume", default="auto", metavar="auto|none|PATH",

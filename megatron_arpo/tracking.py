@@ -24,9 +24,12 @@ import logging
 import math
 import os
 import sys
+import uuid
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Mapping
+
+from tqdm import tqdm
 
 from megatron_arpo.fsutil import atomic_write, fsync_path
 from megatron_arpo.progress import is_terminal
@@ -92,7 +95,6 @@ def progress(phase: str, total: int | None, enabled: bool = True) -> Iterator[An
 
         yield _Null()
         return
-    from tqdm import tqdm
 
     bar = tqdm(total=total, desc=phase, leave=False, dynamic_ncols=True, file=sys.stderr, mininterval=1.0)
     try:
@@ -174,7 +176,6 @@ class MetricsLogger:
         path = self.run_dir / "wandb_run_id"
         if path.exists():
             return path.read_text().strip()
-        import uuid
 
         run_id = uuid.uuid4().hex[:12]
         path.write_text(run_id)

@@ -27,8 +27,11 @@ import traceback
 from pathlib import Path
 from typing import Sequence
 
+from megatron_arpo.errors import InputError, as_symlink_loop
 from megatron_arpo.progress import Progress
+from megatron_arpo.tracking import format_step_summary, progress, setup_console_logging
 from megatron_arpo.trainer import checkpointing, metrics, off_policy, phases, steps
+from megatron_arpo.trainer.replay import ReplaySource, save_step_records
 from megatron_arpo.trainer.signals import LeadTimeAdvisor, StepAborted, StopRequest
 from megatron_arpo.command_args import PROG, add_config_arguments, config_from_args
 
@@ -37,7 +40,7 @@ logger = logging.getLogger(__name__)
 
 def train(cfg, resume: str = "auto", replay_dir: str | None = None) -> int:
     """Run (or continue) the training of ``cfg``; returns the process exit code."""
-    from megatron_arpo.tracking import format_step_summary, progress
+    # deferred: start_runtime is looked up per call, so a patch of its module takes effect
     from megatron_arpo.trainer.runtime import start_runtime
 
     with StopRequest.install() as stop, start_runtime(cfg, resume, replay_dir) as rt:
@@ -104,8 +107,6 @@ def train(cfg, resume: str = "auto", replay_dir: str | None = None) -> int:
                 logger.info(format_step_summary(step, row, rt.total_steps))
                 report.update(1, float(row.get("rollout/generated_tokens", 0.0)))
                 if cfg.logging.save_rollout_records:
-                    from megatron_arpo.trainer.replay import save_step_records
-
                     save_step_records(rt.run_dir / "rollouts", step, result)
                 if checkpointing.is_due(step, t.save_every, rt.total_steps) or stop.requested:
                     with timer("save"):
@@ -127,9 +128,8 @@ def train(cfg, resume: str = "auto", replay_dir: str | None = None) -> int:
 
 
 def train_main(argv: Sequence[str]) -> int:
-    from megatron_arpo.errors import InputError, as_symlink_loop
+    # deferred: pulls in ctypes, urllib, which this module's importers need not load
     from megatron_arpo.preflight import preflight
-    from megatron_arpo.tracking import setup_console_logging
 
     parser = argparse.ArgumentParser(prog=f"{PROG} train", description=__doc__.split("\n\n")[0])
     add_config_arguments(parser)
@@ -143,8 +143,6 @@ def train_main(argv: Sequence[str]) -> int:
     cfg = config_from_args(args)
     setup_console_logging(cfg.logging.console_level)
     if args.replay_rollouts is not None:
-        from megatron_arpo.trainer.replay import ReplaySource
-
         ReplaySource.open(args.replay_rollouts)  # a bad DIR: exit 2 before anything starts
     # Paths, the checkpoint against model.config, the tokenizer and (the tools run in this process) the tools:
     # every problem at once, before Ray starts. The rows are read once, by the runtime.

@@ -116,6 +116,7 @@ def _write_file(path: Path, text: str) -> None:
 
 
 def rng_state() -> dict[str, Any]:
+    # deferred: pulls in megatron-core (heavy; this module imports without it)
     from megatron.core import tensor_parallel
 
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
@@ -126,6 +127,7 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
+    # deferred: pulls in megatron-core (heavy; this module imports without it)
     from megatron.core import tensor_parallel
 
     random.setstate(state["python"])
@@ -137,6 +139,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def _save_strategy(fully_parallel: bool):
+    # deferred: pulls in megatron-core (heavy; this module imports without it)
     from megatron.core import parallel_state
     from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
@@ -155,6 +158,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, *, model, optimizer=None
 
     ``hf_writer(out_dir)``, if given, is called on every rank (it is collective) to add ``step-N/hf``.
     """
+    # deferred: pulls in megatron-core (heavy; this module imports without it)
     from megatron.core import dist_checkpointing
 
     root = Path(root)
@@ -308,6 +312,7 @@ def _restore_adam_steps(optimizer, loaded: dict) -> None:
 def load_checkpoint(path: str | os.PathLike, *, model, optimizer=None, scheduler=None, layout: dict[str, int],
                     load_optimizer: bool = True) -> dict[str, Any]:
     """Collective; restores what the layout allows and returns ``{"step", "extra", "full_state"}``."""
+    # deferred: pulls in megatron-core (heavy; this module imports without it)
     from megatron.core import dist_checkpointing
 
     ckpt, model_dir = resolve_load_dir(path)

@@ -17,15 +17,20 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_arpo.hf import mapping
+
+from megatron_arpo.hf.checkpoint_io import (
+    SafetensorsShardWriter, TensorSpec, atomic_output_dir, copy_tokenizer_files, write_json,
+)
+
+from megatron_arpo.model_config import hf_config_dict
+
 logger = logging.getLogger(__name__)
 
 MAX_SHARD_BYTES = 5 * 10**9
 
 
 def hf_tensor_specs(model_cfg, dtype: torch.dtype) -> list:
-    from megatron_arpo.hf import mapping
-    from megatron_arpo.hf.checkpoint_io import TensorSpec
-
     specs = []
     for rule in mapping.bind_table(model_cfg):
         shapes = rule.hf_shapes(model_cfg)
@@ -36,9 +41,6 @@ def hf_tensor_specs(model_cfg, dtype: torch.dtype) -> list:
 def write_hf_checkpoint(worker, out_dir: str | os.PathLike, *, bucket_bytes: int = 256 * 2**20,
                         max_shard_bytes: int = MAX_SHARD_BYTES, overwrite: bool = True) -> Path | None:
     """Collective over all ranks of ``worker``'s group; returns the directory on global rank 0."""
-    from megatron_arpo.hf.checkpoint_io import SafetensorsShardWriter, atomic_output_dir, copy_tokenizer_files, write_json
-    from megatron_arpo.model_config import hf_config_dict
-
     out = Path(out_dir)
     writer_rank = dist.get_rank() == 0
     result = None

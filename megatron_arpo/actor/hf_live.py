@@ -362,6 +362,7 @@ def export_hf_buckets(models, model_cfg: ModelConfig, bucket_bytes: int = DEFAUL
     by stage, the owning stage builds each bucket (`stage_hf_buckets`, gathered on every TP rank) and
     broadcasts it to the other stages. Groups default to Megatron's parallel state.
     """
+    # deferred: pulls in megatron-core (heavy; this module imports without it)
     from megatron.core import parallel_state
 
     tp_group = tp_group if tp_group is not None else parallel_state.get_tensor_model_parallel_group()

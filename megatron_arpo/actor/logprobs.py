@@ -168,6 +168,7 @@ def _build_thd_micro_batch(plan, sequences, extras, pad_to_multiple, pad_id) -> 
 
     Written for Transformer Engine on GPU; not exercised on CPU, where TE does not exist.
     """
+    # deferred: pulls in megatron-core (heavy; this module imports without it)
     from megatron.core.packed_seq_params import PackedSeqParams
 
     layout = packing.thd_layout(plan, pad_to_multiple)

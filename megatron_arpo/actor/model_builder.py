@@ -152,6 +152,7 @@ def build_transformer_config(
     ``expert_parallel`` / ``expert_tensor_parallel`` (MoE families; ``None``: the expert TP equals
     ``tensor_parallel``, Megatron's default): how the routed experts are split.
     """
+    # deferred: pulls in megatron-core (heavy; this module imports without it)
     from megatron.core.transformer.enums import AttnBackend
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -227,6 +228,7 @@ def check_layout(model_cfg: ModelConfig, tensor_parallel: int, pipeline_parallel
 def define_router_gemm_without_te() -> None:
     """Megatron 0.16.1's MoE router reads ``moe_utils.te_general_gemm``, a name bound only when Transformer
     Engine imports (a NameError without it, GPU or CPU); bind it to None so the router uses ``torch.mm``."""
+    # deferred: pulls in megatron-core (heavy; this module imports without it)
     from megatron.core.transformer.moe import moe_utils
 
     if not hasattr(moe_utils, "te_general_gemm"):
@@ -235,6 +237,7 @@ def define_router_gemm_without_te() -> None:
 
 def get_layer_spec(model_cfg: ModelConfig, use_te: bool | None = None):
     """The decoder layer spec: Transformer Engine modules on GPU, local Megatron modules (+ TorchRMSNorm) on CPU."""
+    # deferred: pulls in megatron-core (heavy; this module imports without it)
     from megatron.core.models.gpt import gpt_layer_specs
     from megatron.core.transformer.identity_op import IdentityOp
 
@@ -261,6 +264,7 @@ def get_decoder_spec(model_cfg: ModelConfig, config, use_te: bool | None = None)
     layer = get_layer_spec(model_cfg, use_te)
     if resolve_use_te(use_te):
         return layer
+    # deferred: pulls in megatron-core (heavy; this module imports without it)
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_block import (TransformerBlock, TransformerBlockSubmodules,
                                                              get_num_layers_to_build)
@@ -286,6 +290,7 @@ def build_gpt_model(
     expert_tensor_parallel: int | None = None,
 ):
     """A ``GPTModel`` for this rank's pipeline stage (parallel state must already be initialised)."""
+    # deferred: pulls in megatron-core (heavy; this module imports without it)
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
@@ -363,6 +368,7 @@ def place_model(model, config):
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     if config.bf16 or config.fp16:
+        # deferred: pulls in megatron-core (heavy; this module imports without it)
         from megatron.core.transformer.module import Float16Module
 
         return Float16Module(config, model)
@@ -382,6 +388,7 @@ def initialize_model_parallel(tensor_parallel: int = 1, pipeline_parallel: int =
     Seeds as Megatron's training entry does: each pipeline stage gets ``seed + 100 * pp_rank``; the
     tracker's model-parallel stream adds the TP rank, so TP shards are initialised differently.
     """
+    # deferred: pulls in megatron-core (heavy; this module imports without it)
     from megatron.core import parallel_state, tensor_parallel as mcore_tp
 
     parallel_state.initialize_model_parallel(

@@ -72,6 +72,7 @@ def settings_for_sft(actor, sft, total_steps: int) -> OptimSettings:
 
 def build_optimizer(model_chunks: list, settings: OptimSettings, params_dtype: torch.dtype):
     """``(optimizer, scheduler)`` for the DDP-wrapped model chunks of this rank."""
+    # deferred: pulls in megatron-core (heavy; this module imports without it)
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 

@@ -102,6 +102,7 @@ class ActorSync:
         return self._send_stages(sync_id, bucket_bytes, verify_fraction)
 
     def _send_stages(self, sync_id: int, bucket_bytes: int, verify_fraction: float) -> dict:
+        # deferred: pulls in megatron-core (heavy; this module imports without it)
         from megatron.core import parallel_state
 
         w = self.worker
@@ -127,6 +128,7 @@ class ActorSync:
         A sender that fails (an engine died) keeps taking part in the stage's TP gathers without sending,
         so that its TP peers finish the stage instead of waiting in the next gather forever.
         """
+        # deferred: pulls in megatron-core (heavy; this module imports without it)
         from megatron.core import parallel_state
 
         w = self.worker

@@ -65,6 +65,7 @@ def run_schedule(model_chunks: list, micro_batches: list[MicroBatch], loss_fn: C
     ``loss_fn(mb, logits) -> (loss, dict)`` runs on the last pipeline stage only. Every stage must get
     the same micro-batches (same shapes) in the same order.
     """
+    # deferred: pulls in megatron-core (heavy; this module imports without it)
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     def forward_step(data_iterator, model):
@@ -94,6 +95,7 @@ def entropy_moments_pass(model_chunks, micro_batches, vocab: VocabInfo, rope, dp
 
     All-reduced over DP; returned on the last pipeline stage (None elsewhere).
     """
+    # deferred: pulls in megatron-core (heavy; this module imports without it)
     from megatron.core import parallel_state
 
     def loss_fn(mb, logits):

@@ -49,12 +49,21 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from megatron_arpo.actor import packing
+from megatron_arpo.actor import model_builder, packing
+from megatron_arpo.actor.hf_export import write_hf_checkpoint
+from megatron_arpo.actor.hf_live import export_hf_buckets, load_hf_into_megatron
 from megatron_arpo.actor.logprobs import build_micro_batch, install_position_rope
+from megatron_arpo.actor.model_builder import initialize_model_parallel
+from megatron_arpo.actor.offload import StateOffloader
+from megatron_arpo.actor.optimizer import build_optimizer, current_lr, settings_from_actor
+from megatron_arpo.actor.sync_sender import ActorSync
 from megatron_arpo.actor.training import (VocabInfo, collective_device, entropy_moments_pass,
                                           logprob_loss, ppo_loss, run_schedule, sft_loss, train_micro_batches)
+from megatron_arpo.algo.losses import entropy_stats_from_moments
+from megatron_arpo.config import resolved_model
 from megatron_arpo.config_schema import AlgorithmSection
 from megatron_arpo import determinism
+from megatron_arpo.device.cpu_compat import apply_cpu_compat
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +82,6 @@ class MegatronActorWorker:
                  timeout_s: float = 1800.0):
         if role not in ROLES:
             raise ValueError(f"role {role!r} is not supported; allowed: {ROLES}")
-        from megatron_arpo.device.cpu_compat import apply_cpu_compat
-        from megatron_arpo.actor.model_builder import initialize_model_parallel
 
         self.cfg, self.role = cfg, role
         self.actor = cfg.actor
@@ -82,8 +89,6 @@ class MegatronActorWorker:
         self.deterministic = determinism.enabled(cfg)
         determinism.apply_actor_settings(self.deterministic)
         if model_cfg is None:
-            from megatron_arpo.config import resolved_model
-
             model_cfg = resolved_model(cfg)
         self.model_cfg = model_cfg
         self.parallel = cfg.layout.for_world(world_size, self.actor.data_parallel)
@@ -125,13 +130,10 @@ class MegatronActorWorker:
         derived from ``trainer.total_steps``. ``optim_settings`` overrides the optimizer settings (SFT).
         """
         self._compat()
+        # deferred: pulls in megatron-core (heavy; this module imports without it)
         from megatron.core import parallel_state
         from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
                                                finalize_model_grads)
-
-        from megatron_arpo.actor.hf_live import load_hf_into_megatron
-        from megatron_arpo.actor import model_builder
-        from megatron_arpo.actor.optimizer import build_optimizer, settings_from_actor
 
         budget = max(self.actor.micro_batch_tokens, self.actor.logprob_micro_batch_tokens or 0)
         self.use_te = model_builder.resolve_use_te(self.actor.use_te_flag, micro_batch_tokens=budget)
@@ -169,7 +171,6 @@ class MegatronActorWorker:
                 optim_settings = settings_from_actor(self.actor, total_steps or self._derived_total_steps())
             self.optimizer, self.scheduler = build_optimizer([ddp], optim_settings, self.params_dtype)
             model.config.grad_scale_func = self.optimizer.scale_loss
-            from megatron_arpo.actor.offload import StateOffloader
 
             self.offloader = StateOffloader([ddp], self.optimizer, model.parameters(), collective_device())
         padded = self.model_cfg.padded_vocab_size(self.tp)
@@ -190,30 +191,32 @@ class MegatronActorWorker:
     @staticmethod
     def _compat() -> None:
         # The CPU compat mode is per thread; a threaded actor may call from another thread.
-        from megatron_arpo.device.cpu_compat import apply_cpu_compat
-
         apply_cpu_compat()
 
     @property
     def tp_rank(self) -> int:
+        # deferred: pulls in megatron-core (heavy; this module imports without it)
         from megatron.core import parallel_state
 
         return parallel_state.get_tensor_model_parallel_rank()
 
     @property
     def pp_rank(self) -> int:
+        # deferred: pulls in megatron-core (heavy; this module imports without it)
         from megatron.core import parallel_state
 
         return parallel_state.get_pipeline_model_parallel_rank()
 
     @property
     def dp_rank(self) -> int:
+        # deferred: pulls in megatron-core (heavy; this module imports without it)
         from megatron.core import parallel_state
 
         return parallel_state.get_data_parallel_rank()
 
     @property
     def is_last_stage(self) -> bool:
+        # deferred: pulls in megatron-core (heavy; this module imports without it)
         from megatron.core import parallel_state
 
         return parallel_state.is_pipeline_last_stage(ignore_virtual=True)
@@ -263,6 +266,7 @@ class MegatronActorWorker:
     def compute_log_probs(self, batch: dict, with_entropy: bool = False) -> dict[str, Any]:
         self._compat()
         self._require()
+        # deferred: pulls in megatron-core (heavy; this module imports without it)
         from megatron.core import parallel_state
 
         seqs = [_as_list(s) for s in batch["input_ids"]]
@@ -300,6 +304,7 @@ class MegatronActorWorker:
         """PPO/ARPO/AEPO update over this rank's shard: ``actor.ppo_epochs`` x mini-batches optimizer steps."""
         self._compat()
         self._require(policy=True)
+        # deferred: pulls in megatron-core (heavy; this module imports without it)
         from megatron.core import parallel_state
 
         self._require_resident("update")
@@ -346,8 +351,6 @@ class MegatronActorWorker:
                 mbs = self._micro_batches(plans, sub, extras)
                 stats = None
                 if s.entropy_aware_advantage:
-                    from megatron_arpo.algo.losses import entropy_stats_from_moments
-
                     moments = entropy_moments_pass([self.chunk], mbs, self.vocab, self.rope, dp_group)
                     stats = entropy_stats_from_moments(moments) if moments is not None else None
                 normalizer = norm_total / (self.dp * len(mbs))
@@ -392,6 +395,7 @@ class MegatronActorWorker:
         return out
 
     def _broadcast_metrics(self, metrics: dict | None) -> dict:
+        # deferred: pulls in megatron-core (heavy; this module imports without it)
         from megatron.core import parallel_state
 
         if self.pp == 1:
@@ -402,8 +406,6 @@ class MegatronActorWorker:
         return dict(box[0])
 
     def _lr(self) -> float:
-        from megatron_arpo.actor.optimizer import current_lr
-
         return current_lr(self.optimizer)
 
     # ------------------------------------------------------------------------------------------ SFT
@@ -412,6 +414,7 @@ class MegatronActorWorker:
         self._compat()
         self._require(policy=True)
         self._require_resident("sft_step")
+        # deferred: pulls in megatron-core (heavy; this module imports without it)
         from megatron.core import parallel_state
 
         seqs = [_as_list(x) for x in batch["input_ids"]]
@@ -454,6 +457,7 @@ class MegatronActorWorker:
         """Checkpoint into ``dir/step-N`` (N = ``step`` or the number of updates so far); collective."""
         self._compat()
         self._require(policy=True)
+        # deferred: pulls in numpy (heavy; this module imports without it)
         from megatron_arpo.actor.checkpoint import save_checkpoint
 
         trainer = getattr(self.cfg, "trainer", None)
@@ -487,6 +491,7 @@ class MegatronActorWorker:
         """Restore from a checkpoint root / ``step-N`` / Megatron checkpoint; returns its extra state + ``step``."""
         self._compat()
         self._require()
+        # deferred: pulls in numpy (heavy; this module imports without it)
         from megatron_arpo.actor.checkpoint import load_checkpoint
 
         with self._resident():
@@ -506,8 +511,6 @@ class MegatronActorWorker:
         The tensors are views of one packed buffer per bucket (``megatron_arpo.actor.hf_live.export_hf_buckets``), valid
         until the next bucket. Nothing is cached between calls.
         """
-        from megatron_arpo.actor.hf_live import export_hf_buckets
-
         for _, named in export_hf_buckets(self.model, self.model_cfg, bucket_bytes):
             yield named
 
@@ -533,19 +536,16 @@ class MegatronActorWorker:
             self._sync.close()
 
     def _sync_state(self):
-        from megatron_arpo.actor.sync_sender import ActorSync
-
         if getattr(self, "_sync", None) is None:
             self._sync = ActorSync(self)
         return self._sync
 
     def write_hf_checkpoint(self, out_dir) -> None:
         """Write an HF checkpoint (safetensors, config, tokenizer) of the current weights; collective."""
-        from megatron_arpo.actor.hf_export import write_hf_checkpoint
-
         write_hf_checkpoint(self, out_dir)
 
     def shutdown(self) -> None:
+        # deferred: pulls in megatron-core (heavy; this module imports without it)
         from megatron.core import parallel_state
 
         self.close_weight_sync()

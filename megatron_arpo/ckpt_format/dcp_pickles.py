@@ -129,6 +129,7 @@ class TorchMetadataUnpickler(pickle.Unpickler):
         if (module, name) in _TORCH_METADATA_NAMES:
             return getattr(importlib.import_module(module), name)
         if module == "torch":
+            # deferred: pulls in torch (heavy; this module imports without it)
             import torch  # only here: the torch-free readers above never get this far
 
             value = getattr(torch, name, None)

@@ -54,7 +54,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
+import psutil
+
+from megatron_arpo.cluster.allocation import allocated_cpus
 from megatron_arpo.cluster.launch_options import LauncherSection
+from megatron_arpo.cluster.ports import DEFAULT_PORT_RANGE, parse_port_range
 from megatron_arpo.fsutil import atomic_write
 from megatron_arpo.cluster.ports import PortPlan  # noqa: F401  (re-exported)
 
@@ -260,8 +264,6 @@ def ray_start_command(opts: NodeOptions, node_ip: str, head_address: str | None 
 
 def node_cpus(opts: NodeOptions, environ: Mapping[str, str]) -> int:
     """The CPUs this node's raylet advertises: ``launcher.num_cpus`` or what the allocation gives."""
-    from megatron_arpo.cluster.allocation import allocated_cpus
-
     cpus, how = allocated_cpus(environ)
     if opts.num_cpus is None:
         logger.info("node %d: Ray gets %d CPUs, the allocation's: %s", opts.node_id, cpus, how)
@@ -324,8 +326,6 @@ class RayNodeProcess:
         return self.proc.poll()
 
     def _ours(self) -> list:
-        import psutil
-
         procs = {}
         try:
             root = psutil.Process(self.proc.pid)
@@ -343,8 +343,6 @@ class RayNodeProcess:
         return list(procs.values())
 
     def stop(self, timeout: float = 5.0) -> None:
-        import psutil
-
         victims = self._ours()
         if self.proc.poll() is None:
             # ray start handles SIGTERM by draining (up to 30 s) then stopping its children; the job is
@@ -415,6 +413,7 @@ def missing_nodes_message(opts: NodeOptions, present: set[int], waited: float) -
 
 def wait_for_nodes(address: str, opts: NodeOptions) -> dict[int, dict]:
     """Connect to the cluster and poll ``ray.nodes()`` until ``opts.num_nodes`` nodes are alive."""
+    # deferred: pulls in ray (heavy; this module imports without it)
     import ray
 
     start = time.monotonic()
@@ -539,6 +538,7 @@ def run_ray_node(opts: NodeOptions, command: Sequence[str] | None = None,
 def _warn_ephemeral(plan: PortPlan, node_id: int = 0) -> None:
     """Warn when this node's Ray ports may lie in the kernel's ephemeral range, where any outgoing
     connection can take one between the free check and Ray's bind (seen on CI with a pinned block)."""
+    # deferred: ephemeral_overlap is looked up per call, so a patch of its module takes effect
     from megatron_arpo.cluster.ports import ephemeral_overlap
 
     if plan.pinned:
@@ -597,8 +597,6 @@ def _serve_worker(opts: NodeOptions, node: RayNodeProcess, signals: _Signals, he
 
 def plan_from_launcher(launcher: Mapping) -> PortPlan:
     """The ``PortPlan`` of a launcher-config mapping (``ray_*`` keys of ``launchers.options.LauncherOptions``)."""
-    from megatron_arpo.cluster.ports import DEFAULT_PORT_RANGE, parse_port_range
-
     text = launcher.get("ray_port_range")
     return PortPlan(ports_per_node=launcher.get("ray_ports_per_node", 200),
                     port_range=parse_port_range(text) if text else DEFAULT_PORT_RANGE,

@@ -163,6 +163,7 @@ def node_order(bundle_nodes: Sequence[str]) -> list[int]:
 
 def read_bundle_nodes(placement_group: Any) -> list[str]:
     """Node id of each bundle of a ready placement group, from Ray's placement-group table."""
+    # deferred: pulls in ray (heavy; this module imports without it)
     import ray  # optional heavy dependency: planning runs without Ray
 
     table = ray.util.placement_group_table(placement_group)
@@ -253,6 +254,7 @@ class ResourcePools:
 
     @classmethod
     def create(cls, plan: PlacementPlan, timeout: float = 300.0, name_prefix: str = "megatron-arpo") -> "ResourcePools":
+        # deferred: pulls in ray (heavy; this module imports without it)
         import ray
         from ray.util.placement_group import placement_group
 
@@ -310,6 +312,7 @@ class ResourcePools:
     def remove(self) -> None:
         if not self.groups:
             return
+        # deferred: pulls in ray (heavy; this module imports without it)
         from ray.util.placement_group import remove_placement_group
 
         for name, pg in self.groups.items():

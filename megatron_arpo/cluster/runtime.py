@@ -49,6 +49,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+from megatron_arpo.cluster.bootstrap import port_open, write_json_atomic as _write
+from megatron_arpo.cluster.launch_options import ray_node_args
 from megatron_arpo.progress import is_terminal
 
 logger = logging.getLogger(__name__)
@@ -70,8 +72,6 @@ class RayTarget:
 
 
 def _gcs_answers(address: str) -> bool:
-    from megatron_arpo.cluster.bootstrap import port_open
-
     host, _, port = address.rpartition(":")
     return bool(host) and port.isdigit() and port_open(host, int(port))
 
@@ -133,8 +133,6 @@ def _ignore_usr1_and_set_pdeathsig() -> None:
 
 
 def write_json_atomic(path: Path, data: Mapping) -> None:
-    from megatron_arpo.cluster.bootstrap import write_json_atomic as _write
-
     _write(path, data)
 
 
@@ -172,7 +170,6 @@ class SlurmRayStep:
                 f"--output={self.log_template.replace('{node_id}', '%n')}"]
         if getattr(la, "cpus_per_task", None):
             srun.append(f"--cpus-per-task={la.cpus_per_task}")
-        from megatron_arpo.cluster.launch_options import ray_node_args
 
         node = [python, "-m", "launchers", "ray-node", f"--job-id={self.job_id}",
                 *ray_node_args(la, run_dir=str(self.run_dir), log_template=str(self.log_template))]
@@ -273,6 +270,7 @@ class RayConnection:
         if self._closed:
             return
         self._closed = True
+        # deferred: pulls in ray (heavy; this module imports without it)
         import ray
 
         if ray.is_initialized():
@@ -302,6 +300,7 @@ def _init_kwargs(address: str, environ: Mapping[str, str]) -> dict:
 
 
 def _alive_nodes() -> int:
+    # deferred: pulls in ray (heavy; this module imports without it)
     import ray
 
     return sum(1 for n in ray.nodes() if n.get("Alive"))
@@ -313,6 +312,7 @@ def connect_ray(cfg: Any, environ: Mapping[str, str] | None = None, **init_kwarg
     ``cfg`` is an ``ExperimentConfig`` (uses ``cfg.run_dir`` and ``cfg.launcher``); ``init_kwargs``
     (``namespace``, ``runtime_env``, ``log_to_driver``, ...) are passed to ``ray.init``.
     """
+    # deferred: pulls in ray (heavy; this module imports without it)
     import ray
 
     environ = dict(os.environ if environ is None else environ)

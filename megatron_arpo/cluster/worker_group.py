@@ -90,6 +90,7 @@ class _RankActor:
         self.worker: Any = None
 
     def node_info(self) -> dict:
+        # deferred: pulls in ray (heavy; this module imports without it)
         import ray
 
         return {"node_id": ray.get_runtime_context().get_node_id(), "node_ip": ray.util.get_node_ip_address(),
@@ -97,6 +98,7 @@ class _RankActor:
 
     def get_address(self) -> tuple[str, int]:
         """This node's IP and a TCP port free on it (for rank 0's rendezvous)."""
+        # deferred: pulls in ray (heavy; this module imports without it)
         import ray
 
         ip = ray.util.get_node_ip_address()
@@ -206,6 +208,7 @@ class WorkerGroup:
     # -- start -----------------------------------------------------------------------------------------
 
     def _start(self, args, kwargs, rank_kwargs, num_cpus, num_gpus, strategy, env_vars) -> None:
+        # deferred: pulls in ray (heavy; this module imports without it)
         import ray
         from ray.util.placement_group import placement_group as make_pg
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -321,6 +324,7 @@ class WorkerGroup:
 
     def _gather(self, method: str, ranks: Sequence[int], refs: Sequence[Any], timeout: float) -> list:
         """Wait for ``refs`` (one per rank in ``ranks``); raise on the first failure or at the deadline."""
+        # deferred: pulls in ray (heavy; this module imports without it)
         import ray
         from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
@@ -372,6 +376,7 @@ class WorkerGroup:
         rank actors and remove the placement group if this group created it. Idempotent."""
         if self._closed:
             return
+        # deferred: pulls in ray (heavy; this module imports without it)
         import ray
         from ray.util.placement_group import remove_placement_group
 

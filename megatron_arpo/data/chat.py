@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from megatron_arpo.errors import InputError
+from megatron_arpo.rollout.protocol import TagProtocol
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +59,6 @@ class ChatFormat:
 
     def protocol(self, tool_tags: Sequence[str], **kwargs: Any) -> Any:
         """The `TagProtocol` of this format for the enabled tool tags."""
-        from megatron_arpo.rollout.protocol import TagProtocol
-
         return TagProtocol(self.tokenizer, tool_tags, eos_token_ids=self.eos_token_ids,
                            response_prefix=self.response_prefix, **kwargs)
 

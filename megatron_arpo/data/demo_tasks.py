@@ -242,6 +242,7 @@ def direct_trajectory(task: DemoTask) -> str:
 
 async def _run_tools(tasks: list[DemoTask], corpus: Path, topk: int, result_chars: int,
                      max_concurrency: int = 4) -> list[str]:
+    # deferred: pulls in ctypes, which this module's importers need not load
     from megatron_arpo.tools.python_sandbox import PythonSandboxTool
     from megatron_arpo.tools.search import LocalBM25Backend, SearchTool
 

@@ -372,6 +372,7 @@ def iter_file_rows(path: str | os.PathLike, fmt: str) -> Iterable[tuple[int, Any
     row (parquet, json list) or line (jsonl)."""
     path = Path(path)
     if fmt == "parquet":
+        # deferred: pulls in pyarrow (heavy; this module imports without it)
         import pyarrow.parquet as pq  # pyarrow: needed only for parquet files
 
         try:

@@ -84,6 +84,7 @@ class _CudaToCpuMode(TorchFunctionMode):
 
 
 def _check_version() -> None:
+    # deferred: pulls in megatron-core (heavy; this module imports without it)
     import megatron.core
 
     version = getattr(megatron.core, "__version__", "unknown")
@@ -126,6 +127,7 @@ def apply_cpu_compat() -> bool:
         return False
     if not _patched:
         _check_version()
+        # deferred: pulls in megatron-core (heavy; this module imports without it)
         from megatron.core.tensor_parallel import random as mcore_random
 
         torch.cuda.current_device = lambda: 0

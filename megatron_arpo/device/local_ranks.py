@@ -60,6 +60,7 @@ def find_free_port() -> int:
 
 
 def _serialize(value: Any) -> bytes:
+    # deferred: pulls in torch (heavy; this module imports without it)
     import torch
 
     buf = io.BytesIO()
@@ -68,12 +69,14 @@ def _serialize(value: Any) -> bytes:
 
 
 def _deserialize(payload: bytes) -> Any:
+    # deferred: pulls in torch (heavy; this module imports without it)
     import torch
 
     return torch.load(io.BytesIO(payload), weights_only=False)
 
 
 def _cleanup_worker() -> None:
+    # deferred: pulls in torch (heavy; this module imports without it)
     import torch.distributed as dist
 
     if "megatron.core.parallel_state" in sys.modules:
@@ -124,6 +127,7 @@ def _kill_all(procs: list) -> None:
 
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 300, **kwargs: Any) -> list:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks; return results by rank."""
+    # deferred: pulls in torch (heavy; this module imports without it)
     import torch.multiprocessing as mp
 
     if world_size < 1:

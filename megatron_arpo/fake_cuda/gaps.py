@@ -10,6 +10,8 @@ from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
+import torch.utils as torch_utils
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from megatron_arpo.fake_cuda.reads import _is_fake
 
@@ -19,8 +21,6 @@ class _HostSlice:
         self._inner = inner
 
     def __getitem__(self, index):
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
-
         with unset_fake_temporarily():
             return self._inner[index]
 
@@ -39,8 +39,6 @@ class _HostSafeOpen:
         return _HostSlice(self._inner.get_slice(name))
 
     def get_tensor(self, name):
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
-
         with unset_fake_temporarily():
             return self._inner.get_tensor(name)
 
@@ -63,8 +61,6 @@ def install_module_moves(patches) -> None:
     has described. Those are fake-mode bookkeeping, not references a GPU run would have, so for two fakes
     the weak-reference check is skipped.
     """
-    import torch.utils as torch_utils
-
     original = torch_utils.swap_tensors
     no_weakrefs = SimpleNamespace(getweakrefs=lambda obj: [])
 
@@ -82,6 +78,7 @@ def install_module_moves(patches) -> None:
 
 
 def install_host_io(patches) -> None:
+    # deferred: pulls in safetensors (heavy; this module imports without it)
     import safetensors
 
     original = safetensors.safe_open
@@ -89,8 +86,6 @@ def install_host_io(patches) -> None:
     original_load = torch.load
 
     def load(*args, **kwargs):
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
-
         with unset_fake_temporarily():
             return original_load(*args, **kwargs)
 
@@ -100,7 +95,6 @@ def install_host_io(patches) -> None:
 def _host_zeros(t: torch.Tensor) -> torch.Tensor:
     if not _is_fake(t):
         return t
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     with unset_fake_temporarily():
         return torch.zeros(t.shape, dtype=t.dtype)
@@ -125,6 +119,7 @@ class _TorchAsRankZero:
 
 def install_megatron_gaps(patches) -> None:
     """The harness gaps listed in the module docstring (only what a one-rank fake world cannot provide)."""
+    # deferred: pulls in megatron-core (heavy; this module imports without it)
     from megatron.core.optimizer import clip_grads
     from megatron.core.pipeline_parallel import p2p_communication
 
@@ -151,6 +146,7 @@ def install_megatron_gaps(patches) -> None:
     patches.set(comm_cls, "_communicate", _communicate)
     patches.set(comm_cls, "_communicate_shapes", _communicate_shapes)
 
+    # deferred: pulls in megatron-core (heavy; this module imports without it)
     from megatron.core.dist_checkpointing import serialization, validation
     from megatron.core.dist_checkpointing.strategies import common as ckpt_common
 
@@ -167,6 +163,7 @@ def install_megatron_gaps(patches) -> None:
     # Megatron's rank 0 writes a dist checkpoint's metadata.json and common.pt; no other process will here.
     for module in (serialization, ckpt_common):
         patches.set(module, "torch", _TorchAsRankZero())
+    # deferred: pulls in torch.distributed.checkpoint (heavy; this module imports without it)
     from torch.distributed.checkpoint import utils as dcp_utils
 
     original_wrapper_init = dcp_utils._DistWrapper.__init__

@@ -76,6 +76,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import inspect
 import io
 import logging
 import os
@@ -90,7 +91,12 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.cuda import nccl
+from torch.multiprocessing import reductions
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from megatron_arpo.device import cpu_compat
 from megatron_arpo.fake_cuda.gaps import install_host_io, install_megatron_gaps, install_module_moves
 from megatron_arpo.fake_cuda.reads import DataReadMode, HostFunctionMode, _tensors_in
 
@@ -150,6 +156,7 @@ def load_guard():
             _guard_error = (f"no C++ compiler ({compiler!r} not on PATH) to build {GUARD_SOURCE.name}; install "
                             f"g++ (apt-get install g++) or set CXX")
             raise FakeCudaUnavailable(_guard_error)
+        # deferred: pulls in torch.utils.cpp_extension (heavy; this module imports without it)
         from torch.utils.cpp_extension import load
 
         build_dir.mkdir(parents=True, exist_ok=True)
@@ -292,7 +299,6 @@ def _install_cuda_stubs(patches: _Patches, device: _DeviceState, num_devices: in
     }
     for name, value in stubs.items():
         patches.set(cuda, name, value)
-    from torch.cuda import nccl
 
     patches.set(nccl, "version", lambda: (2, 27, 3))  # logged by c10d for "nccl" groups
     for name in ("get_rng_state", "set_rng_state", "manual_seed", "manual_seed_all", "get_rng_state_all",
@@ -304,9 +310,6 @@ def _install_cuda_stubs(patches: _Patches, device: _DeviceState, num_devices: in
 def _install_ipc_export(patches: _Patches) -> None:
     """``reduce_tensor`` of a fake cuda tensor: the 15 ``rebuild_cuda_tensor`` arguments of a real export,
     its handle naming the storage (a real one would be the allocation's cudaIpcMemHandle)."""
-    from torch.multiprocessing import reductions
-    from torch._subclasses.fake_tensor import FakeTensor
-
     original = reductions.reduce_tensor
 
     def reduce_tensor(tensor):
@@ -356,7 +359,6 @@ _CHECKED_COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_int
 def _group_arg(name: str, args, kwargs):
     if "group" in kwargs:
         return kwargs["group"]
-    import inspect
 
     fn = getattr(dist.distributed_c10d, name)
     try:
@@ -515,6 +517,7 @@ def _install_dist(patches: _Patches, session: FakeCudaSession) -> None:
         # The fake backend has no coalesced collectives: run the enclosed ones as they come.
         yield None
 
+    # deferred: pulls in megatron-core (heavy; this module imports without it)
     from megatron.core.distributed import param_and_grad_buffer  # binds the name at import time
 
     for mod in (c10d, dist, param_and_grad_buffer):
@@ -565,8 +568,6 @@ def _install_dist(patches: _Patches, session: FakeCudaSession) -> None:
 
 
 def _fake_mode_class():
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     class _FakeMode(FakeTensorMode):
         # FakeTensorMode derives this from torch.cuda.is_available(), which the stubs make True; it must
         # stay True, or fake mode would try to initialise the (absent) CUDA runtime.
@@ -587,7 +588,6 @@ def fake_cuda(world_size: int, rank: int, *, num_devices: int = MAX_DEVICES,
         raise ValueError(f"rank {rank} is outside the world of {world_size}; allowed: 0..{world_size - 1}")
     if not 1 <= num_devices <= MAX_DEVICES:
         raise ValueError(f"num_devices {num_devices}: the fake device guard models 1..{MAX_DEVICES} devices")
-    from megatron_arpo.device import cpu_compat
 
     if getattr(cpu_compat, "_patched", False):
         raise RuntimeError("the CPU compat layer (megatron_arpo.device.cpu_compat) is active in this process; it maps "
@@ -596,7 +596,6 @@ def fake_cuda(world_size: int, rank: int, *, num_devices: int = MAX_DEVICES,
         raise RuntimeError("a process group already exists in this process; run the fake CUDA harness in a fresh "
                            "process")
     guard = load_guard()
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     _FakeMode = _fake_mode_class()
 

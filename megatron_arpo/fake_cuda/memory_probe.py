@@ -32,9 +32,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import sys
 import time
 from typing import Any
+
+from megatron_arpo.config import build_config, resolved_model
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +67,7 @@ def _storage_bytes(tensors) -> int:
 
 
 def _flash_attention_classes():
+    # deferred: pulls in torch (heavy; this module imports without it)
     import torch
     from megatron.core.transformer.module import MegatronModule
 
@@ -111,6 +115,7 @@ def _flash_attention_classes():
 
 
 def _fused_rms_norm_class():
+    # deferred: pulls in torch (heavy; this module imports without it)
     import torch
 
     class FusedRMSNormFunction(torch.autograd.Function):
@@ -148,6 +153,7 @@ def _use_fused_modules(patches: list) -> None:
     """Build the local spec with stand-ins for the TE spec's fused modules (this process only): the flash
     core attention, and RMSNorm keeping only its input and 1/rms (the fused SwiGLU is Megatron's own,
     switched on through ``bias_activation_fusion`` by the caller)."""
+    # deferred: pulls in torch (heavy; this module imports without it)
     from megatron_arpo.actor import model_builder
 
     original = model_builder.get_layer_spec
@@ -168,6 +174,7 @@ def _use_fused_modules(patches: list) -> None:
 
 
 def _tracker():
+    # deferred: pulls in torch (heavy; this module imports without it)
     from torch.distributed._tools.mem_tracker import MemTracker
 
     class Tracker(MemTracker):
@@ -194,10 +201,10 @@ def _tracker():
 
 def measure_stage(cfg, stage: int) -> dict[str, Any]:
     """Peak memory of global rank ``stage * tp * dp`` (tp 0, dp 0 of ``stage``); call in a fresh process."""
+    # deferred: pulls in torch (heavy; this module imports without it)
     import torch
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-    from megatron_arpo.config import resolved_model
     from megatron_arpo.fake_cuda.harness import fake_cuda
 
     actor, model_cfg = cfg.actor, resolved_model(cfg)
@@ -218,6 +225,7 @@ def measure_stage(cfg, stage: int) -> dict[str, Any]:
         _use_fused_modules(undo)
     start = time.perf_counter()
     with fake_cuda(world, rank) as session:
+        # deferred: pulls in numpy, torch (heavy; this module imports without it)
         from megatron_arpo.actor.checkpoint import init_empty_optimizer_state
         from megatron_arpo.actor.worker import MegatronActorWorker
 
@@ -260,6 +268,7 @@ def measure_stage(cfg, stage: int) -> dict[str, Any]:
         hook.remove()
         device = torch.device("cuda", session.local_rank)
         peak = tracker.get_tracker_snapshot("peak")[device]
+        # deferred: pulls in torch (heavy; this module imports without it)
         from torch.distributed._tools.mem_tracker import _ModState
 
         # What one micro-batch keeps from its forward until its backward: the activations at the end of the
@@ -299,11 +308,9 @@ def measure_stage(cfg, stage: int) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> int:
-    import os
-
     # Megatron compiles its fused kernels with torch.compile; on fake tensors they run eagerly.
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
-    from megatron_arpo.config import build_config
+    # deferred: pulls in torch (heavy; this module imports without it)
     from megatron_arpo.fake_cuda.harness import FakeCudaUnavailable
 
     spec = json.loads(open(argv[0]).read())

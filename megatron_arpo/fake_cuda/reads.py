@@ -15,23 +15,19 @@ validation with ``bool(torch.isfinite(x))``, sequence lengths from ``cu_seqlens.
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+from torch.utils._pytree import tree_flatten, tree_map
 
 def _is_fake(x) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
     return isinstance(x, FakeTensor)
 
 
 def _tensors_in(args, kwargs) -> list[torch.Tensor]:
-    from torch.utils._pytree import tree_flatten
-
     flat, _ = tree_flatten((args, kwargs))
     return [x for x in flat if isinstance(x, torch.Tensor)]
 
 
 def _mentions_cuda(args, kwargs) -> bool:
-    from torch.utils._pytree import tree_flatten
-
     flat, _ = tree_flatten((args, kwargs))
     for x in flat:
         if isinstance(x, torch.device) and x.type == "cuda":
@@ -60,7 +56,6 @@ class HostFunctionMode(torch.overrides.TorchFunctionMode):
                                 f"copy the tensor to host memory first.")
             if _is_fake(t):
                 known = _known_value(t)
-                from torch._subclasses.fake_tensor import unset_fake_temporarily
 
                 with unset_fake_temporarily():
                     host = known if known is not None else torch.zeros(t.shape, dtype=t.dtype)
@@ -69,8 +64,6 @@ class HostFunctionMode(torch.overrides.TorchFunctionMode):
         tensors = _tensors_in(args, kwargs)
         if tensors and not any(_is_fake(t) for t in tensors) and not _mentions_cuda(args, kwargs) \
                 and func is not torch.Tensor.cuda and all(t.device.type == "cpu" for t in tensors):
-            from torch._subclasses.fake_tensor import unset_fake_temporarily
-
             with unset_fake_temporarily():
                 return func(*args, **kwargs)
         result = func(*args, **kwargs)
@@ -158,8 +151,6 @@ class DataReadMode(torch.utils._python_dispatch.TorchDispatchMode):
             t = args[0]
             known = _known_value(t)
             if known is not None:
-                from torch._subclasses.fake_tensor import unset_fake_temporarily
-
                 with unset_fake_temporarily():
                     return known.item()
             truth = getattr(t, _TRUTH, None)
@@ -179,9 +170,6 @@ class DataReadMode(torch.utils._python_dispatch.TorchDispatchMode):
         tensors = _tensors_in(args, kwargs)
         known = [_known_value(t) for t in tensors]
         if tensors and all(k is not None for k in known):
-            from torch._subclasses.fake_tensor import unset_fake_temporarily
-            from torch.utils._pytree import tree_map
-
             host_args = tree_map(lambda x: _known_value(x) if isinstance(x, torch.Tensor) else x, args)
             host_kwargs = {k: tree_map(lambda x: _known_value(x) if isinstance(x, torch.Tensor) else x, v)
                            for k, v in kwargs.items() if k != "device"}

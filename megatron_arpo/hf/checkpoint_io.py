@@ -50,6 +50,7 @@ _FLOAT_NAMES = ("float32", "float16", "bfloat16")
 
 def torch_dtype(name: str):
     """The ``torch.dtype`` of ``"bfloat16"`` (or ``"torch.bfloat16"``); only the floating types models use."""
+    # deferred: pulls in torch (heavy; this module imports without it)
     import torch
 
     if name.removeprefix("torch.") not in _FLOAT_NAMES:
@@ -66,6 +67,7 @@ class HFCheckpointReader:
     """Lazy reader over the safetensors files of one HF checkpoint directory."""
 
     def __init__(self, hf_dir: str | os.PathLike):
+        # deferred: pulls in safetensors (heavy; this module imports without it)
         from safetensors import safe_open
 
         self.dir = Path(hf_dir)
@@ -111,6 +113,7 @@ class HFCheckpointReader:
         self._handles = {}
 
     def _slice(self, name: str):
+        # deferred: pulls in safetensors (heavy; this module imports without it)
         from safetensors import safe_open
 
         fname = self._file(name)
@@ -275,6 +278,7 @@ class SafetensorsShardWriter:
         self._copied: dict[str, int] = {}
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
+        # deferred: pulls in torch (heavy; this module imports without it)
         import torch
 
         try:

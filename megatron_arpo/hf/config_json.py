@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megatron_arpo.hf.checkpoint_io import write_json
 from megatron_arpo.model_config import ARCH_FIELDS, ModelConfig, hf_config_dict, model_config_from_hf
 
 ORIGINAL_CONFIG = "hf_extra/config.json"
@@ -118,8 +119,6 @@ def carry_over_config(original: dict[str, Any], model_cfg: ModelConfig, dtype_na
 
 def write_config_json(out_dir: Path, ckpt: Path, model_cfg: ModelConfig, dtype_name: str) -> dict[str, Any]:
     """Write ``out_dir/config.json``; returns the report entry (origin and changes)."""
-    from megatron_arpo.hf.checkpoint_io import write_json
-
     source = find_original_config(ckpt)
     if source is None:
         config = hf_config_dict(model_cfg)

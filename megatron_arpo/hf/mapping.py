@@ -243,6 +243,7 @@ def check_megatron_coverage(rules: list[BoundRule], param_names: Iterable[str], 
 
 def shard_full(kind: Shard, full: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
     """The ``tp_rank`` shard of a full (TP-unsharded, canonical) Megatron tensor."""
+    # deferred: pulls in torch (heavy; this module imports without it)
     import torch
 
     if kind is Shard.REPLICATED or tp_size == 1:
@@ -257,6 +258,7 @@ def shard_full(kind: Shard, full: torch.Tensor, tp_rank: int, tp_size: int) -> t
 
 def unshard(kind: Shard, shards: list[torch.Tensor]) -> torch.Tensor:
     """Inverse of :func:`shard_full` given all TP shards in rank order."""
+    # deferred: pulls in torch (heavy; this module imports without it)
     import torch
 
     if kind is Shard.REPLICATED or len(shards) == 1:

@@ -14,6 +14,7 @@ import pkgutil
 from types import MappingProxyType
 from typing import Mapping
 
+import megatron_arpo.models as package
 from megatron_arpo.models.family import ModelFamily
 
 _NOT_FAMILIES = ("config", "family", "registry", "rules")  # the machinery, not families
@@ -21,8 +22,6 @@ _NOT_FAMILIES = ("config", "family", "registry", "rules")  # the machinery, not 
 
 @functools.cache
 def families() -> Mapping[str, ModelFamily]:
-    import megatron_arpo.models as package
-
     found: dict[str, ModelFamily] = {}
     for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda i: i.name):
         if info.name in _NOT_FAMILIES or info.name.startswith("_"):

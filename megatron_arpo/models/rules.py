@@ -88,6 +88,7 @@ RowBlock = tuple[int, int, int]
 
 def take_rows(full: torch.Tensor, blocks: list[RowBlock]) -> torch.Tensor:
     """The HF tensor that ``blocks`` cut out of ``full`` (no copy when it is one leading block)."""
+    # deferred: pulls in torch (heavy; this module imports without it)
     import torch
 
     if len(blocks) == 1 and blocks[0][2] == 0:
@@ -166,6 +167,7 @@ class FusedQKV:
         return (d["qkv_dim"],) if self.bias else (d["qkv_dim"], d["hidden"])
 
     def read_shard(self, read: Reader, cfg: ModelConfig, tp_rank: int, tp_size: int) -> torch.Tensor:
+        # deferred: pulls in torch (heavy; this module imports without it)
         import torch
 
         groups, head_dim = cfg.num_query_groups, cfg.head_dim
@@ -219,6 +221,7 @@ class FusedGateUp:
         return (2 * dims(cfg)[self.ffn], cfg.hidden_size)
 
     def read_shard(self, read: Reader, cfg: ModelConfig, tp_rank: int, tp_size: int) -> torch.Tensor:
+        # deferred: pulls in torch (heavy; this module imports without it)
         import torch
 
         start, stop = _split_range(dims(cfg)[self.ffn], tp_rank, tp_size, self.megatron)
@@ -262,6 +265,7 @@ class VocabEmbedding:
         return (cfg.padded_vocab_size(tp_size), cfg.hidden_size)
 
     def read_shard(self, read: Reader, cfg: ModelConfig, tp_rank: int, tp_size: int) -> torch.Tensor:
+        # deferred: pulls in torch (heavy; this module imports without it)
         import torch
 
         padded = cfg.padded_vocab_size(tp_size)

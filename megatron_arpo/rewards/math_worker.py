@@ -129,6 +129,7 @@ def verify_here(prediction: str, gold: str, timeout_seconds: int) -> bool:
 
 def _verify(prediction: str, gold: str, native_timeout: int | None) -> bool:
     global _warning_filter_installed
+    # deferred: pulls in math_verify (heavy; this module imports without it)
     from math_verify import parse, verify  # heavy (sympy); imported on first use
 
     if not _warning_filter_installed:

@@ -76,7 +76,8 @@ from megatron_arpo.determinism import ENGINE_ENV as ENGINE_BATCH_INVARIANT_ENV
 from megatron_arpo.cluster.ray_compat import ENGINE_RAY_ENV, check_ray_version
 from megatron_arpo.rollout.config import RolloutSection
 from megatron_arpo.rollout.kv_cache import kv_cache_info
-from megatron_arpo.weight_sync.vllm_plugin import WORKER_EXTENSION
+from megatron_arpo.weight_sync.protocol import BACKENDS
+from megatron_arpo.weight_sync.vllm_plugin import WORKER_EXTENSION, register_weight_transfer_engines
 
 logger = logging.getLogger(__name__)
 
@@ -313,6 +314,7 @@ class VllmEngine:
         for key, value in engine_env(cfg).items():
             if os.environ.get(key) is None:
                 os.environ[key] = value
+        # deferred: pulls in vllm (heavy; this module imports without it)
         from vllm import LLM
 
         guard_llvmlite_for_vllm()
@@ -352,9 +354,6 @@ class VllmEngine:
         if backend is not None:
             kwargs["distributed_executor_backend"] = backend
         if cfg.weight_transfer is not None:
-            from megatron_arpo.weight_sync.vllm_plugin import register_weight_transfer_engines
-            from megatron_arpo.weight_sync.protocol import BACKENDS
-
             if cfg.weight_transfer not in BACKENDS:
                 raise ValueError(f"weight_transfer={cfg.weight_transfer!r}; allowed: {sorted(BACKENDS)}")
             register_weight_transfer_engines()  # the in-process worker; the plugin entry point covers the others
@@ -483,6 +482,7 @@ class VllmEngine:
                 self._futures.clear()
 
     def _step(self, adds: list[tuple[str, SegmentRequest]], aborts: list[str]) -> list[tuple[str, SegmentOutput]]:
+        # deferred: pulls in vllm (heavy; this module imports without it)
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
@@ -811,6 +811,7 @@ def engine_ray_options(
     if name is not None:
         options["name"] = name
     if placement_group is not None:
+        # deferred: pulls in ray (heavy; this module imports without it)
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
@@ -831,6 +832,7 @@ def create_engine_actor(cfg: EngineConfig, engine_index: int = 0, **options: Any
     stay in the group. ``max_concurrency`` bounds the number of concurrently running coroutines
     (= requests in flight) in the actor.
     """
+    # deferred: pulls in ray (heavy; this module imports without it)
     import ray
 
     actor_cls = ray.remote(VllmEngine)

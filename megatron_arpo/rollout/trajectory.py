@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import hashlib
 import json
 import logging
 import math
@@ -31,6 +32,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
 import numpy as np
+import torch
 
 from megatron_arpo.algo.off_policy import NOT_SAMPLED
 from megatron_arpo.fsutil import atomic_write
@@ -236,8 +238,6 @@ def tree_digest(trajectories: Iterable[Trajectory]) -> str:
     latencies were (the scheduler's deterministic branch allocation); tokens, log-probs, entropies, draws,
     lineage and rewards all enter it.
     """
-    import hashlib
-
     digest = hashlib.sha256()
     for traj in sorted(trajectories, key=lambda t: (t.prompt_index, t.index)):
         digest.update(json.dumps(_without_timing(traj.to_dict()), default=_json_default, sort_keys=True,
@@ -314,8 +314,6 @@ def records_to_batch(trajectories: Sequence[Trajectory], *, require_rewards: boo
       prompt_lengths [B], response_lengths [B], rewards [B] (NaN where not set),
     plus "traj_ids": the trajectory ids in batch order (a list).
     """
-    import torch
-
     if not trajectories:
         raise ValueError("records_to_batch needs at least one trajectory")
     input_ids, loss_mask, positions, logprobs = [], [], [], []

@@ -43,9 +43,12 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
+from megatron_arpo import model_config as model_config_module
 from megatron_arpo.fsutil import fsync_path
 from megatron_arpo.model_config import ModelConfig, hf_config_dict, load_model_config
 from megatron_arpo.models.registry import get_family
+from megatron_arpo.tiny import qwen_tokenizer, tokenizer as tokenizer_module
+from megatron_arpo.tiny.qwen_tokenizer import ADDED_TOKENS, build_qwen_tokenizer
 from megatron_arpo.tiny.tokenizer import build_tokenizer, dump_json, write_bytes_atomic
 
 logger = logging.getLogger(__name__)
@@ -74,6 +77,7 @@ def weight_specs(cfg: ModelConfig) -> Iterator[tuple[str, tuple[int, ...], str]]
 
 
 def build_weights(cfg: ModelConfig, seed: int) -> dict:
+    # deferred: pulls in torch (heavy; this module imports without it)
     import torch
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(cfg.torch_dtype)
@@ -116,7 +120,6 @@ def _write_tokenizer(kind: str, cfg: ModelConfig, out: Path) -> dict:
         return {**ids, "pad_token_id": None, "generation_config": dict(ids)}
     if kind not in TOKENIZER_KINDS:
         raise ValueError(f"tokenizer {kind!r} is not one of {', '.join(TOKENIZER_KINDS)}")
-    from megatron_arpo.tiny.qwen_tokenizer import ADDED_TOKENS, build_qwen_tokenizer
 
     if cfg.vocab_size <= ADDED_TOKENS[-1][0]:
         raise ValueError(f"model config {cfg.name!r}: vocab_size {cfg.vocab_size} cannot hold the Qwen tokenizer "
@@ -125,6 +128,7 @@ def _write_tokenizer(kind: str, cfg: ModelConfig, out: Path) -> dict:
 
 
 def _write_checkpoint_files(cfg: ModelConfig, out: Path, seed: int, tokenizer: str = "local") -> None:
+    # deferred: pulls in safetensors (heavy; this module imports without it)
     from safetensors.torch import save as save_safetensors
 
     token_ids = _write_tokenizer(tokenizer, cfg, out)
@@ -187,12 +191,10 @@ def default_cache_root() -> Path:
 
 def checkpoint_fingerprint(cfg: ModelConfig, seed: int, tokenizer: str = "local") -> str:
     """Hash of everything that determines the bytes of ``build_tiny_checkpoint(cfg, seed=seed)``."""
+    # deferred: pulls in safetensors (heavy; this module imports without it)
     import safetensors
     import tokenizers
     import torch
-
-    from megatron_arpo import model_config as model_config_module
-    from megatron_arpo.tiny import tokenizer as tokenizer_module
 
     digest = hashlib.sha256()
     digest.update(json.dumps({"config": cfg.to_dict(), "seed": seed, "torch": torch.__version__,
@@ -202,9 +204,8 @@ def checkpoint_fingerprint(cfg: ModelConfig, seed: int, tokenizer: str = "local"
     for module_file in (__file__, tokenizer_module.__file__, model_config_module.__file__, *family_files):
         digest.update(Path(module_file).read_bytes())
     if tokenizer != "local":
+        # deferred: pulls in transformers (heavy; this module imports without it)
         import transformers
-
-        from megatron_arpo.tiny import qwen_tokenizer
 
         digest.update(f"tokenizer={tokenizer};transformers={transformers.__version__}".encode())
         for source in qwen_tokenizer.fingerprint_sources():

@@ -168,6 +168,7 @@ def qwen_ranks_file(root: Path | None = None) -> Path:
 
 def build_backend_tokenizer(ranks_file: str | os.PathLike):
     """The ``tokenizers.Tokenizer``: converted ranks, NFC, Qwen's split pattern, the 26 added tokens."""
+    # deferred: pulls in tokenizers (heavy; this module imports without it)
     from tokenizers import AddedToken, normalizers
     from transformers.convert_slow_tokenizer import TikTokenConverter
 

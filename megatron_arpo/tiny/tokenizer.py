@@ -252,6 +252,7 @@ def _training_pieces(documents: Iterator[str]) -> Iterator[str]:
 
 def train_backend_tokenizer(vocab_size: int):
     """Train the ``tokenizers.Tokenizer`` with exactly ``vocab_size`` tokens including the added ones."""
+    # deferred: pulls in tokenizers (heavy; this module imports without it)
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
     num_added = len(ADDED_TOKENS)

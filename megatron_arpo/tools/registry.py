@@ -58,12 +58,14 @@ def _kwargs(section: Any, *skip: str) -> dict[str, Any]:
 
 
 def build_python_tool(cfg: PythonToolSection | Mapping[str, Any]) -> Tool:
+    # deferred: pulls in ctypes, which this module's importers need not load
     from megatron_arpo.tools.python_sandbox import PythonSandboxTool
 
     return PythonSandboxTool(**_kwargs(_section(PythonToolSection, cfg, "tools.python"), "enabled", "max_concurrency"))
 
 
 def build_search_tool(cfg: SearchToolSection | Mapping[str, Any]) -> Tool:
+    # deferred: pulls in urllib, which this module's importers need not load
     from megatron_arpo.tools import search
 
     cfg = _section(SearchToolSection, cfg, "tools.search")
@@ -94,6 +96,7 @@ def build_tools(cfg: ToolsSection | Mapping[str, Any] | None) -> ToolExecutor:
         tools.append(build_search_tool(section.search))
     cache = None
     if section.cache is not None:
+        # deferred: pulls in sqlite3, which this module's importers need not load
         from megatron_arpo.tools.cache import ToolCache
 
         if not section.cache.path:

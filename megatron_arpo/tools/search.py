@@ -151,6 +151,7 @@ class LocalBM25Backend:
         return {"kind": "local-bm25", "corpus_sha256": self.corpus_sha256}
 
     def _load(self) -> None:
+        # deferred: pulls in bm25s (heavy; this module imports without it)
         import bm25s  # heavy-ish (numpy/scipy); imported only when a local index is used
 
         passages = []
@@ -182,6 +183,7 @@ class LocalBM25Backend:
                 self._load()
 
     def search_sync(self, query: str, topk: int) -> list[Passage]:
+        # deferred: pulls in bm25s (heavy; this module imports without it)
         import bm25s
 
         self.ensure_index()
@@ -217,6 +219,7 @@ class _HttpBackend:
         self._session_loop = None
 
     def _get_session(self):
+        # deferred: pulls in aiohttp (heavy; this module imports without it)
         import aiohttp
 
         loop = asyncio.get_running_loop()
@@ -227,6 +230,7 @@ class _HttpBackend:
         return self._session
 
     async def _post_json(self, url: str, payload: dict, headers: Optional[dict] = None, what: str = "") -> object:
+        # deferred: pulls in aiohttp (heavy; this module imports without it)
         import aiohttp
 
         session = self._get_session()

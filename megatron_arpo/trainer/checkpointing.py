@@ -58,6 +58,7 @@ class ResumeError(InputError):
 
 
 def resolve_resume(checkpoint_root: Path, resume: str) -> Optional[Path]:
+    # deferred: pulls in torch (heavy; this module imports without it)
     from megatron_arpo.actor.checkpoint import latest_checkpoint
 
     resume = (resume or "auto").strip()
@@ -79,6 +80,7 @@ def resolve_resume(checkpoint_root: Path, resume: str) -> Optional[Path]:
 def check_resume_files(path: Path) -> Path:
     """Refuse a checkpoint whose shards are damaged before any rank tries to load it (a truncated
     ``.distcp`` would otherwise fail deep inside every rank, after the cluster started)."""
+    # deferred: pulls in torch (heavy; this module imports without it)
     from megatron_arpo.actor.checkpoint import check_shard_files
 
     problems = [p for sub in ("model", "optim") if (path / sub).is_dir() for p in check_shard_files(path / sub)]
@@ -178,6 +180,7 @@ def config_digest(cfg: Any) -> str:
 
 def write_finished(rt: Any, hf_dir: Optional[Path]) -> None:
     """``<run_dir>/finished.json``: this config's run is done, at this checkpoint, with this export."""
+    # deferred: pulls in torch (heavy; this module imports without it)
     from megatron_arpo.actor.checkpoint import latest_checkpoint
 
     last = latest_checkpoint(Path(rt.run_dir) / "checkpoints")  # Runtime.checkpoint_root
@@ -190,6 +193,7 @@ def write_finished(rt: Any, hf_dir: Optional[Path]) -> None:
 def finished_run(cfg: Any, resume: str) -> Optional[dict[str, Any]]:
     """The finished record of this run when rerunning it would do nothing: ``--resume auto``, the same
     config, the same newest checkpoint, and the HF export (if it made one) still there. Else None."""
+    # deferred: pulls in torch (heavy; this module imports without it)
     from megatron_arpo.actor.checkpoint import latest_checkpoint
 
     path = Path(cfg.run_dir) / FINISHED

@@ -97,6 +97,7 @@ class OffPolicyLoop:
     def take_batch(self, step: int, cancel_when: Optional[Callable[[], bool]] = None) -> tuple[list, list[int], Any]:
         """The step's prompts, dataset indices and a ``RolloutResult`` of whole groups, generating while
         the buffer holds too few fit groups. Group ids (``prompt_index``) are the positions in the batch."""
+        # deferred: pulls in importlib.metadata, which this module's importers need not load
         from megatron_arpo.rollout.scheduler import RolloutPrompt, RolloutResult
 
         rt = self.rt

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_arpo.errors import InputError
+from megatron_arpo.fsutil import atomic_write
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ def stats_path(root: Path, step: int) -> Path:
 
 def save_step_records(root: Path, step: int, result: Any) -> None:
     """What a replay needs of one step: the trajectory records and the scheduler's counters (atomic writes)."""
-    from megatron_arpo.fsutil import atomic_write
+    # deferred: pulls in numpy, torch (heavy; this module imports without it)
     from megatron_arpo.rollout.trajectory import save_records
 
     save_records(records_path(root, step), result.trajectories())
@@ -86,6 +87,7 @@ class ReplaySource:
 
     def load(self, step: int) -> tuple[list, Any]:
         """The step's prompts and its ``RolloutResult`` rebuilt from the records (groups in prompt order)."""
+        # deferred: pulls in numpy, torch (heavy; this module imports without it)
         from megatron_arpo.rollout.scheduler import RolloutPrompt, RolloutResult
         from megatron_arpo.rollout.trajectory import load_records
 

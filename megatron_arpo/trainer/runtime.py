@@ -55,6 +55,7 @@ from megatron_arpo.errors import ConfigError, InputError
 from megatron_arpo.fsutil import atomic_write
 from megatron_arpo.rewards import get_reward_fn
 from megatron_arpo.rollout.group import RolloutGroup
+from megatron_arpo.rollout.kv_cache import check_kv_caches
 from megatron_arpo.tools.base import ToolError, TransportError
 from megatron_arpo.tools.registry import build_tools
 from megatron_arpo.tracking import MetricsLogger
@@ -103,6 +104,7 @@ def count_steps(cfg: ExperimentConfig, num_prompts: int) -> int:
 
 
 def _start_engines(rt: Runtime, hf_dir: str, on_gpu: bool) -> None:
+    # deferred: pulls in importlib.metadata, which this module's importers need not load
     from megatron_arpo.rollout.engine import EngineConfig, create_engine_actor
 
     cfg = rt.cfg
@@ -127,9 +129,8 @@ def start_rollout_engines(rt: Runtime, hf_dir: str, on_gpu: bool) -> None:
 def ready_engines(rt: Runtime, on_gpu: bool) -> None:
     """Wait for the started engines, check their KV caches against the plan, and put them to sleep when
     ``rollout.enable_sleep_mode`` is on."""
+    # deferred: pulls in ray (heavy; this module imports without it)
     import ray
-
-    from megatron_arpo.rollout.kv_cache import check_kv_caches
 
     _wait_for_engines(rt)
     rt.phases.note("engines ready")
@@ -140,6 +141,7 @@ def ready_engines(rt: Runtime, on_gpu: bool) -> None:
 
 
 def _wait_for_engines(rt: Runtime) -> None:
+    # deferred: pulls in ray (heavy; this module imports without it)
     import ray
     from ray.exceptions import GetTimeoutError, RayActorError
 
@@ -187,6 +189,7 @@ def _placement_plan(cfg: ExperimentConfig) -> PlacementPlan:
 
 
 def start_runtime(cfg: ExperimentConfig, resume: str, replay_dir: Optional[str] = None) -> Runtime:
+    # deferred: pulls in transformers (heavy; this module imports without it)
     from transformers import AutoTokenizer
 
     from megatron_arpo.actor.group import ActorGroup

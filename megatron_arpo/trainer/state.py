@@ -122,6 +122,7 @@ class Runtime:
         """Run a coroutine on the runtime's event loop, bounded by ``timeout`` seconds; a dead engine actor
         becomes one RuntimeError naming the phase. ``cancel_when()`` turning true (a stop request) cancels it
         and raises ``StepAborted``."""
+        # deferred: pulls in ray (heavy; this module imports without it)
         from ray.exceptions import RayActorError
 
         try:
@@ -165,6 +166,7 @@ class Runtime:
             self.loop.run_until_complete(asyncio.wait_for(self.tools.close(), 30))
 
     def _stop_engines(self) -> None:
+        # deferred: pulls in ray (heavy; this module imports without it)
         import ray
 
         if not self.engines:
@@ -206,6 +208,7 @@ async def _cancellable(coro: Awaitable, cancel_when: Any, what: str, poll_s: flo
 
 def alive_actors_of_this_job() -> Optional[list[str]]:
     """Class names of this job's actors that are not DEAD (GCS actor table); None when it cannot be read."""
+    # deferred: pulls in ray (heavy; this module imports without it)
     import ray
 
     if not ray.is_initialized():

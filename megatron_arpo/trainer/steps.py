@@ -35,12 +35,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from megatron_arpo.trainer.metrics import sync_metrics, validation_metrics
+from megatron_arpo.trainer.replay import data_sources
 from megatron_arpo.trainer.state import Runtime
 
 logger = logging.getLogger(__name__)
 
 
 def next_prompts(rt: Runtime) -> tuple[list, list[int]]:
+    # deferred: pulls in torch (heavy; this module imports without it)
     from megatron_arpo.rollout.scheduler import RolloutPrompt
 
     indices = rt.sampler.next_batch()
@@ -82,11 +85,10 @@ def check_tool_backends(trajectories: list, step: int) -> None:
 
 def score(rt: Runtime, result: Any, prompts: list, prompt_set: Any, indices: list[int]) -> dict[str, str]:
     """Set ``reward`` on every trajectory; returns prompt id -> data source (for per-source metrics)."""
+    # deferred: pulls in torch (heavy; this module imports without it)
     from megatron_arpo.rollout.trajectory import score_trajectories
 
     if rt.replay is not None:
-        from megatron_arpo.trainer.replay import data_sources
-
         return data_sources(prompts, prompt_set)  # the recorded rewards are the step's rewards
 
     sources = {}
@@ -99,6 +101,7 @@ def score(rt: Runtime, result: Any, prompts: list, prompt_set: Any, indices: lis
 
 
 def make_train_batch(rt: Runtime, result: Any) -> dict[str, Any]:
+    # deferred: pulls in torch (heavy; this module imports without it)
     from megatron_arpo.algo.advantages import grpo_advantages
 
     alg = rt.cfg.algorithm
@@ -186,8 +189,6 @@ def update(rt: Runtime, batch: dict[str, Any]) -> dict[str, float]:
 
 def sync_weights(rt: Runtime) -> dict[str, float]:
     """Actor ranks -> engines (``ActorGroup.sync_weights``); returns the sync metrics."""
-    from megatron_arpo.trainer.metrics import sync_metrics
-
     if rt.group is None:  # replaying records: no engine to send to
         return {}
     # verify: rollout.verify_sync (first sync by default). The engines label every token they sample from
@@ -198,8 +199,8 @@ def sync_weights(rt: Runtime) -> dict[str, float]:
 
 
 def validate(rt: Runtime, step: int) -> dict[str, float]:
+    # deferred: pulls in torch (heavy; this module imports without it)
     from megatron_arpo.rollout.scheduler import RolloutPrompt
-    from megatron_arpo.trainer.metrics import validation_metrics
 
     if rt.val is None:
         return {}

@@ -43,6 +43,7 @@ import hashlib
 import itertools
 import logging
 import math
+import pickle
 import re
 import time
 from dataclasses import dataclass, field
@@ -75,6 +76,7 @@ def next_sync_id() -> int:
 
 def tensor_checksum(tensor: Any) -> dict[str, Any]:
     """float64 sum and SHA-256 of the raw bytes of a tensor (moved to the host, made contiguous)."""
+    # deferred: pulls in torch (heavy; this module imports without it)
     import torch
 
     t = tensor.detach().to("cpu").contiguous()
@@ -154,6 +156,7 @@ class BucketLayout:
 
     @property
     def sizes(self) -> list[int]:
+        # deferred: pulls in torch (heavy; this module imports without it)
         import torch
 
         return [math.prod(shape) * getattr(torch, dt).itemsize for shape, dt in zip(self.shapes, self.dtype_names)]
@@ -169,6 +172,7 @@ class BucketLayout:
 
     def views(self, flat: Any) -> list[tuple[str, Any]]:
         """The named tensors as views of ``flat`` (no copy)."""
+        # deferred: pulls in torch (heavy; this module imports without it)
         import torch
 
         if flat.numel() != self.nbytes:
@@ -182,6 +186,7 @@ class BucketLayout:
 
     def pack(self, named: Sequence[tuple[str, Any]], device: Any = None) -> Any:
         """Copy ``named`` (in layout order) into a new flat buffer."""
+        # deferred: pulls in torch (heavy; this module imports without it)
         import torch
 
         flat = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
@@ -197,6 +202,7 @@ class BucketLayout:
 
 def storage_users(tensor: Any) -> Optional[int]:
     """How many tensors (views included) refer to ``tensor``'s storage; None where torch cannot tell."""
+    # deferred: pulls in torch (heavy; this module imports without it)
     import torch
 
     use_count = getattr(torch._C, "_storage_Use_Count", None)
@@ -257,6 +263,7 @@ class BufferPool:
     def take(self, nbytes: int, device: Any = None) -> Any:
         """A ``uint8`` tensor of ``nbytes`` bytes on ``device`` (default: the pool's) that nothing else
         uses; its content is undefined."""
+        # deferred: pulls in torch (heavy; this module imports without it)
         import torch
 
         device = torch.device(device if device is not None else self.device or "cpu")
@@ -383,6 +390,7 @@ class EngineRef:
             return fn.remote(*args, **kwargs).future()
         if self.loop is None:
             raise ValueError(f"engine {self.index} is an in-process object: give EngineRef the event loop it runs on")
+        # deferred: pulls in asyncio, which this module's importers need not load
         import asyncio
 
         return asyncio.run_coroutine_threadsafe(fn(*args, **kwargs), self.loop)
@@ -497,8 +505,7 @@ class SyncSession:
 
 def payload_bytes(obj: Any) -> tuple[int, int]:
     """``(pickled bytes, tensor bytes)`` of an object the driver sends or receives (for the report)."""
-    import pickle
-
+    # deferred: pulls in torch (heavy; this module imports without it)
     import torch
 
     def tensors(o: Any) -> int:

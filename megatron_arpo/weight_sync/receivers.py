@@ -229,6 +229,7 @@ class GlooWeightTransferEngine(_LoadChecks, WeightTransferEngine[GlooInitInfo, G
         self.buffers = BufferPool(RECEIVE_BUFFERS, device=torch.device("cpu"))
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
+        # deferred: pulls in vllm.distributed.utils (heavy; this module imports without it)
         from vllm.distributed.utils import stateless_init_torch_distributed_process_group
 
         self.shutdown()
@@ -243,12 +244,14 @@ class GlooWeightTransferEngine(_LoadChecks, WeightTransferEngine[GlooInitInfo, G
                     init_info.stages[0]["world_size"])
 
     def start_weight_update(self) -> None:
+        # deferred: pulls in vllm.model_executor.model_loader.reload (heavy; this module imports without it)
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         self._begin()
         initialize_layerwise_reload(self.model)
 
     def finish_weight_update(self) -> None:
+        # deferred: pulls in vllm.model_executor.model_loader.reload (heavy; this module imports without it)
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         finalize_layerwise_reload(self.model, self.model_config)
@@ -268,6 +271,7 @@ class GlooWeightTransferEngine(_LoadChecks, WeightTransferEngine[GlooInitInfo, G
         # Returning drops this call's views of the buffer; what the load kept keeps the buffer in use.
 
     def shutdown(self) -> None:
+        # deferred: pulls in vllm.distributed.utils (heavy; this module imports without it)
         from vllm.distributed.utils import stateless_destroy_torch_distributed_process_group
 
         groups, self._groups = self._groups, []
@@ -295,6 +299,7 @@ class StagedNCCLWeightTransferEngine(_LoadChecks, NCCLWeightTransferEngine):
     update_info_cls = StagedNCCLUpdateInfo
 
     def init_transfer_engine(self, init_info: StagedNCCLInitInfo) -> None:
+        # deferred: pulls in vllm.distributed.weight_transfer.nccl_common (heavy; this module imports without it)
         from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo, worker_init_process_group
 
         self.shutdown()

@@ -56,6 +56,7 @@ def install_vllm_log_filters() -> None:
 
 def register_weight_transfer_engines() -> None:
     install_vllm_log_filters()
+    # deferred: pulls in vllm (heavy; this module imports without it)
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
     for transport, backend in BACKENDS.items():

@@ -7,6 +7,7 @@ process can take the port in between.
 
 from __future__ import annotations
 
+import datetime
 import logging
 import socket
 import threading
@@ -33,8 +34,7 @@ class GlooSender(StageSender):
         self._pg = None
 
     def open(self, world_size: int) -> None:
-        import datetime
-
+        # deferred: pulls in vllm, vllm.distributed.utils (heavy; this module imports without it)
         from vllm.distributed.utils import stateless_init_torch_distributed_process_group
 
         host, port = self.endpoint
@@ -88,6 +88,7 @@ class GlooSender(StageSender):
 
 
 def _destroy_gloo_group(pg: Any) -> None:
+    # deferred: pulls in vllm, vllm.distributed.utils (heavy; this module imports without it)
     from vllm.distributed.utils import stateless_destroy_torch_distributed_process_group
 
     try:

@@ -28,6 +28,7 @@ class IpcSender(StageSender):
     def share(self, buffer: Any) -> None:
         """Export this rank's buffer and all-gather every rank's handle, once per sync: the engines release
         their mapping at the end of each update (vLLM pairs one export with one import and release)."""
+        # deferred: pulls in torch (heavy; this module imports without it)
         import torch
         import torch.distributed as dist
         from torch.multiprocessing.reductions import reduce_tensor
@@ -43,11 +44,13 @@ class IpcSender(StageSender):
 
     @property
     def is_shipper(self) -> bool:
+        # deferred: pulls in torch (heavy; this module imports without it)
         import torch.distributed as dist
 
         return dist.get_rank(self.group) == 0
 
     def _transfer(self, flat, layout, info, what):
+        # deferred: pulls in torch (heavy; this module imports without it)
         import torch
         import torch.distributed as dist
 

@@ -28,6 +28,7 @@ class NcclSender(StageSender):
         self._comm = None
 
     def open(self, world_size: int) -> None:
+        # deferred: pulls in vllm, vllm.distributed.weight_transfer.nccl_common (heavy; this module imports without it)
         from vllm.distributed.weight_transfer.nccl_common import trainer_init
 
         host, port = self.endpoint
@@ -36,6 +37,7 @@ class NcclSender(StageSender):
         self._comm = trainer_init({"master_address": host, "master_port": port, "world_size": world_size}, rank=0)
 
     def _transfer(self, flat, layout, info, what):
+        # deferred: pulls in torch (heavy; this module imports without it)
         import torch
 
         if self._comm is None:
