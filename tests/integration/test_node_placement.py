@@ -44,6 +44,13 @@ class EngineStandIn:
         return ray.get_runtime_context().get_node_id(), os.environ.get("CUDA_VISIBLE_DEVICES")
 
 
+@pytest.fixture(autouse=True)
+def _idle_cluster(ray_two_nodes):
+    """Before each test, not only each module: the previous test's actors and groups die asynchronously, and a
+    SPREAD group made before they are gone packs onto the raylet they are not on."""
+    ray_two_nodes.wait_until_idle()
+
+
 def cpu_config(actor, rollout):
     return build_config({"model": {"config": "tiny-qwen3"}, "data": {"max_prompt_tokens": 256},
                          "tools": {"search": {"enabled": False}}, "launcher": {"gpus_per_node": 0},
