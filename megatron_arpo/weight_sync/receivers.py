@@ -45,8 +45,8 @@ from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightT
 from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine, IPCWeightTransferUpdateInfo
 from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine, NCCLWeightTransferUpdateInfo
 
-from megatron_arpo.weight_sync.protocol import (BucketLayout, BufferPool, WeightSyncError, compare_checksums,
-                                               tensor_checksum)
+from megatron_arpo.weight_sync.protocol import (BucketLayout, BufferPool, WeightSyncError, await_release,
+                                               compare_checksums, tensor_checksum)
 
 logger = logging.getLogger(__name__)
 
@@ -266,7 +266,9 @@ class GlooWeightTransferEngine(_LoadChecks, WeightTransferEngine[GlooInitInfo, G
         layout = BucketLayout(tuple(update_info.names), tuple(tuple(s) for s in update_info.shapes),
                               tuple(update_info.dtype_names))
         flat = self.buffers.take(layout.nbytes)
+        users = flat._use_count()
         self._groups[update_info.stage].broadcast(flat, 0).wait()
+        await_release(flat, users)  # gloo's worker thread lets go of the bucket just after wait() returns
         self._checked_load(self.model, update_info, layout.views(flat))
         # Returning drops this call's views of the buffer; what the load kept keeps the buffer in use.
 

@@ -266,6 +266,28 @@ class ViewKeepingEngine(ScriptedEngine):
         self.weights[name] = tensor
 
 
+def test_await_release_waits_for_gloos_reference_to_a_bucket(tmp_path):
+    """A completed gloo work still holds its tensors until it is dropped (its worker thread drops it a
+    moment after ``wait()`` returns): the pool would see the bucket as in use and allocate a fresh one."""
+    import torch.distributed as dist
+
+    pg = dist.ProcessGroupGloo(dist.FileStore(str(tmp_path / "store"), 1), 0, 1)
+    pool = ws.BufferPool(count=1)
+    flat = pool.take(1000)
+    users = flat._use_count()
+    work = pg.broadcast(flat, 0)
+    work.wait()
+    assert flat._use_count() > users  # the work's reference
+    assert not ws.await_release(flat, users, timeout_s=0.05)  # still held: times out, says so
+    work_holder = [work]
+    del work
+    threading.Timer(0.1, work_holder.clear).start()  # as gloo's worker thread, later
+    assert ws.await_release(flat, users, timeout_s=10.0) and flat._use_count() == users
+    del flat
+    pool.take(1000)
+    assert pool.stats == {"reused": 1, "grown": 0, "fresh": 1}
+
+
 def test_a_receive_buffer_a_load_still_holds_is_never_overwritten(loop):
     # Five buckets through two receive buffers: reusing a buffer the loader still holds would overwrite
     # the first buckets' tensors with later ones.

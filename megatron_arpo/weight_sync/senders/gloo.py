@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Any, Optional, Sequence
 
-from megatron_arpo.weight_sync.protocol import EngineRef, wait_engines
+from megatron_arpo.weight_sync.protocol import EngineRef, await_release, wait_engines
 from megatron_arpo.weight_sync.senders.base import StageSender, reserve_endpoint
 
 logger = logging.getLogger(__name__)
@@ -48,13 +48,17 @@ class GlooSender(StageSender):
         futures = [e.call("update_weights", info) for e in self.engines]
         # Not waited for here: the next bucket is gathered and packed while this one travels; the next
         # send (or end) waits for it first, so a sender holds this bucket and the one it is packing.
-        self._in_flight = [futures, what, self._pg.broadcast(flat, 0), flat]
+        users = flat._use_count()
+        self._in_flight = [futures, what, self._pg.broadcast(flat, 0), flat, users]
 
     def _collect(self) -> None:
         if self._in_flight:
-            futures, what, work, _flat = self._in_flight
+            futures, what, work, flat, users = self._in_flight
             self._wait_sent(futures, work, what)  # the bytes are out; the engines may still be loading them
             self._in_flight = []
+            del work
+            await_release(flat, users)  # gloo's worker thread lets go of the bucket just after the wait
+            del flat
             wait_engines(futures, self.engines, what, self.timeout_s)
 
     def _wait_sent(self, futures, work, what) -> None:
