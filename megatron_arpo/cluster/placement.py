@@ -300,7 +300,7 @@ class ResourcePools:
                 "num_cpus_per_rank": p.actor_num_cpus, "num_gpus_per_rank": p.actor_num_gpus}
 
     def engine_placement(self, engine_index: int) -> dict[str, Any]:
-        """Keyword arguments of ``rollout.engine.create_engine_actor`` for engine ``engine_index``."""
+        """Keyword arguments of ``rollout.engine_actor.create_engine_actor`` for engine ``engine_index``."""
         p = self.plan
         if not 0 <= engine_index < len(p.engine_bundles):
             raise ValueError(f"engine index {engine_index} out of range 0..{len(p.engine_bundles) - 1}")

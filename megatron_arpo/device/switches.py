@@ -72,8 +72,8 @@ SWITCHES: tuple[Switch, ...] = (
     ),
     Switch(
         id="engine-actor-resources",
-        where=("megatron_arpo/rollout/engine.py:engine_actor_options",
-               "megatron_arpo/rollout/engine.py:engine_ray_options"),
+        where=("megatron_arpo/rollout/engine_actor.py:engine_actor_options",
+               "megatron_arpo/rollout/engine_actor.py:engine_ray_options"),
         cpu="the engine actor takes no GPU; no VLLM_RAY_* variables",
         gpu="the actor takes its GPU share (one worker) or none with VLLM_RAY_BUNDLE_INDICES and "
             "VLLM_RAY_PER_WORKER_GPUS for vLLM's ray workers (tensor parallel)",

@@ -2,8 +2,9 @@
 
 Modules (each imports its heavy dependencies itself; importing this package imports nothing):
 
-- ``engine``: ``VllmEngine`` (async continuous batching around ``vllm.LLM``), ``create_engine_actor`` (Ray),
-  ``SegmentRequest``/``SegmentOutput``, ``EngineConfig``.
+- ``engine``: ``VllmEngine`` (async continuous batching around ``vllm.LLM``), ``SegmentRequest``/``SegmentOutput``,
+  ``EngineConfig``.
+- ``engine_actor``: ``create_engine_actor`` (the engine as a Ray async actor) and its options.
 - ``group``: ``RolloutGroup`` with sticky per-prompt routing.
 - ``protocol``: ``TagProtocol`` (closing tags as stop strings, tool calls found on text, result splicing;
   shared with evaluation and the SFT data).

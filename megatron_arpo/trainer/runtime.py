@@ -105,7 +105,8 @@ def count_steps(cfg: ExperimentConfig, num_prompts: int) -> int:
 
 def _start_engines(rt: Runtime, hf_dir: str, on_gpu: bool) -> None:
     # deferred: pulls in importlib.metadata, which this module's importers need not load
-    from megatron_arpo.rollout.engine import EngineConfig, create_engine_actor
+    from megatron_arpo.rollout.engine import EngineConfig
+    from megatron_arpo.rollout.engine_actor import create_engine_actor
 
     cfg = rt.cfg
     extra = {} if on_gpu else {"block_size": CPU_BLOCK_SIZE}

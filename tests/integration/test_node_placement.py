@@ -22,7 +22,8 @@ from megatron_arpo.cluster.placement import (PlacementError, ResourcePools, plan
 from megatron_arpo.cluster.ray_compat import OVERRIDE_ON_ZERO  # noqa: E402
 from megatron_arpo.cluster.worker_group import WorkerGroup  # noqa: E402
 from megatron_arpo.config import build_config  # noqa: E402
-from megatron_arpo.rollout.engine import EngineConfig, engine_ray_options  # noqa: E402
+from megatron_arpo.rollout.engine import EngineConfig  # noqa: E402
+from megatron_arpo.rollout.engine_actor import engine_ray_options  # noqa: E402
 from ray_cluster import NODE_LABEL  # noqa: E402  (the Ray fixtures: tests/conftest.py)
 
 pytestmark = pytest.mark.timeout(300)

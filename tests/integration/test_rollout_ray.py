@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_arpo.rollout.engine import EngineConfig, SegmentRequest, create_engine_actor
+from megatron_arpo.rollout.engine import EngineConfig, SegmentRequest
+from megatron_arpo.rollout.engine_actor import create_engine_actor
 from megatron_arpo.rollout.group import RolloutGroup
 from megatron_arpo.rollout.protocol import TagProtocol
 from megatron_arpo.rollout.scheduler import RolloutOptions, RolloutPrompt, RolloutScheduler

@@ -99,7 +99,8 @@ def make_config(sleep: bool, offload: bool):
 @pytest.fixture(scope="module")
 def parts(ray_single_node, tmp_path_factory):  # noqa: F811
     from megatron_arpo.actor.group import ActorGroup
-    from megatron_arpo.rollout.engine import EngineConfig, create_engine_actor
+    from megatron_arpo.rollout.engine import EngineConfig
+    from megatron_arpo.rollout.engine_actor import create_engine_actor
     from megatron_arpo.tiny.checkpoint import tiny_checkpoint
 
     hf_dir = str(tiny_checkpoint("tiny-qwen3"))

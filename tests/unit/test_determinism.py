@@ -17,7 +17,8 @@ from megatron_arpo import determinism
 from megatron_arpo.actor import model_builder
 from megatron_arpo.config import ConfigError, load_config
 from megatron_arpo.model_config import load_model_config
-from megatron_arpo.rollout.engine import EngineConfig, engine_actor_options
+from megatron_arpo.rollout.engine import EngineConfig
+from megatron_arpo.rollout.engine_actor import engine_actor_options
 
 DEMO = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
 

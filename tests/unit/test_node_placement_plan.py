@@ -16,7 +16,8 @@ from megatron_arpo.cluster.ray_compat import OVERRIDE_ON_ZERO, RayVersionError, 
 from megatron_arpo.config import build_config
 from megatron_arpo.doctor import FAIL, PASS, check_ray
 from megatron_arpo.errors import InputError
-from megatron_arpo.rollout.engine import EngineConfig, engine_ray_options
+from megatron_arpo.rollout.engine import EngineConfig
+from megatron_arpo.rollout.engine_actor import engine_ray_options
 
 
 def gpu_config(nodes=4, gpus_per_node=8, actor_tp=8, engines=8, rollout_tp=4):

@@ -100,7 +100,8 @@ def test_bad_strategy_and_share_are_rejected():
 
 def test_engine_actor_options_follow_the_plan():
     """What each engine actor is started with (resources, vLLM's executor env) comes from the plan."""
-    from megatron_arpo.rollout.engine import EngineConfig, engine_actor_options
+    from megatron_arpo.rollout.engine import EngineConfig
+    from megatron_arpo.rollout.engine_actor import engine_actor_options
 
     cfg = tiny_config(model={"config": "qwen3-8b"}, launcher={"nodes": 2, "gpus_per_node": 4, "cpus_per_task": 32},
                  actor={"tensor_parallel": 2, "pipeline_parallel": 1},
