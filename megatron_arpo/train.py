@@ -71,17 +71,20 @@ def train(cfg, resume: str = "auto", replay_dir: str | None = None) -> int:
                     with timer("advantage"):
                         batch = steps.make_train_batch(rt, result)
                     phase = phases.switch_phase(rt, "train")  # colocated: the engines sleep, the actor onloads
-                    logprob_info = steps.add_log_probs(rt, batch, timer)
-                    weights = offp.add_behaviour_weights(batch, result.trajectories()) if offp else {}
-                    if stop.requested:
-                        raise StepAborted(f"step {step} abandoned before its update")
+                    if offp is not None:  # log-probs and update while the engines generate the next batches
+                        logprob_info, weights, update = offp.train_while_generating(
+                            batch, result.trajectories(), timer, lambda: stop.requested)
+                    else:
+                        logprob_info, weights = steps.add_log_probs(rt, batch, timer), {}
+                        if stop.requested:
+                            raise StepAborted(f"step {step} abandoned before its update")
                 except StepAborted as exc:
                     off_policy.abandon_step(rt, sampler_before)  # the resumed run redoes this step
                     logger.warning("%s; the checkpoint is step %d's state", exc, rt.step)
                     break
-                with timer("update"):  # off-policy: the engines generate the next batches meanwhile
-                    update = (offp.update_while_generating(batch, lambda: stop.requested) if offp
-                              else steps.update(rt, batch))
+                if offp is None:
+                    with timer("update"):
+                        update = steps.update(rt, batch)
                 rt.phases.weights_stale = True
                 sync, val = {}, {}
                 if not stop.requested:  # stopping: the engines restart from the checkpoint anyway

@@ -6,13 +6,14 @@ finished groups go into the ``RolloutBuffer`` (megatron_arpo/rollout/buffer.py).
 
 1. ``take_batch``: the oldest ``train_batch_size`` fit groups; while the buffer has too few, the engines
    generate (the actor waits: actor idle time).
-2. score, advantages, log-probs as in sync mode; ``add_behaviour_weights`` adds decoupled PPO's weights
-   (megatron_arpo/algo/off_policy.py) when a token of the batch was sampled by an older version.
-3. ``update_while_generating``: the update runs in a worker thread while the engines generate batch j on
-   the policy version they hold, for each j the staleness bound admits (``j - 1 - version <= max_staleness``:
-   batch j is trained by the update that makes version j, if no group is dropped) and the buffer has room.
-   No call starts after the update returns; the call running then finishes first.
-4. the usual weight sync (train.py), engines idle between calls (the in-flight update of engflight's
+2. score and advantages as in sync mode.
+3. ``train_while_generating``: the actor's part — log-probs, then ``add_behaviour_weights`` (decoupled PPO's
+   weights, megatron_arpo/algo/off_policy.py, when a token of the batch was sampled by an older version),
+   then the update — runs in a worker thread while the engines generate batch j on the policy version they
+   hold, for each j the staleness bound admits (``j - 1 - version <= max_staleness``: batch j is trained by
+   the update that makes version j, if no group is dropped) and the buffer has room. No call starts after
+   the update returns; the call running then finishes first (the actor waits: actor idle time).
+4. the usual weight sync (train.py), engines idle between calls (the in-flight update of
    ``start_weight_update(keep_in_flight=True)`` is not used yet), then ``rt.group`` holds the new version.
 
 With ``max_staleness: 0`` step 3 never admits a batch, so each batch is generated after the previous
@@ -35,6 +36,7 @@ from typing import Any, Callable, Optional
 from megatron_arpo.algo.off_policy import sequence_weights, token_lags
 from megatron_arpo.rollout.buffer import BufferedGroup, RolloutBuffer
 from megatron_arpo.trainer import steps
+from megatron_arpo.trainer.signals import StepAborted
 from megatron_arpo.trainer.state import Runtime
 
 logger = logging.getLogger(__name__)
@@ -163,30 +165,47 @@ class OffPolicyLoop:
         self.lags = lags
         return stats
 
-    def update_while_generating(self, batch: dict[str, Any], cancel_when: Optional[Callable[[], bool]] = None
-                                ) -> dict[str, float]:
-        """``steps.update`` in a worker thread while the engines generate the admissible batches."""
+    def train_while_generating(self, batch: dict[str, Any], trajectories: list, timer: Any,
+                               stop_requested: Callable[[], bool]) -> tuple[dict, dict, dict]:
+        """The actor's part of the step in a worker thread — log-probs (`steps.add_log_probs`), behaviour
+        weights, update — while the engines generate the admissible batches; returns ``(logprob_info,
+        weights, update metrics)``. A stop request before the update raises ``StepAborted`` (after the call
+        running then has finished: `abandon_step` puts the batch back)."""
+        rt = self.rt
+
+        def actor_part() -> tuple[dict, dict, dict]:
+            logprob_info = steps.add_log_probs(rt, batch, timer)
+            weights = self.add_behaviour_weights(batch, trajectories)
+            if stop_requested():
+                raise StepAborted(f"step {rt.step + 1} abandoned before its update")
+            with timer("update"):
+                return logprob_info, weights, steps.update(rt, batch)
+
+        t = rt.cfg.trainer.timeouts
+        return self.while_generating(actor_part, t.logprob_s + t.update_s + t.rollout_s,
+                                     "trainer.timeouts.logprob_s + update_s + rollout_s", stop_requested)
+
+    def while_generating(self, work: Callable[[], Any], timeout: float, timeout_key: str,
+                         cancel_when: Optional[Callable[[], bool]] = None) -> Any:
+        """``work()`` in a worker thread while the engines generate the batches the staleness bound admits;
+        no call starts after ``work`` returns, and the call running then finishes first (the actor waits)."""
         rt = self.rt
         limit = rt.total_steps
 
-        async def both() -> dict[str, float]:
+        async def both() -> Any:
             loop = asyncio.get_running_loop()
-            update = loop.run_in_executor(None, steps.update, rt, batch)
-            while not update.done() and self._admissible(limit) and not (cancel_when and cancel_when()):
-                await self._generate_one()  # a stop request is served after this call, at the step's end
-            if not update.done():
-                return await update
-            wait_start = time.perf_counter()  # the update finished first: the actor waited for this call
-            out = await update
-            self.waited_s += time.perf_counter() - wait_start
-            return out
+            done = loop.run_in_executor(None, work)
+            finished: list[float] = []
+            done.add_done_callback(lambda _: finished.append(time.perf_counter()))
+            try:
+                while not done.done() and self._admissible(limit) and not (cancel_when and cancel_when()):
+                    await self._generate_one()  # a stop request is served after this call, at the step's end
+                return await done
+            finally:
+                if finished:  # the actor finished during the last call: it waited for that call
+                    self.waited_s += max(time.perf_counter() - finished[0], 0.0)
 
-        timeout = rt.cfg.trainer.timeouts.update_s + rt.cfg.trainer.timeouts.rollout_s
-        update_start = time.perf_counter()
-        out = rt.run_async(both(), timeout, "the update (with the engines generating)",
-                           "trainer.timeouts.update_s + rollout_s")
-        self.update_wall_s = time.perf_counter() - update_start
-        return out
+        return rt.run_async(both(), timeout, "the actor's step (with the engines generating)", timeout_key)
 
     # ------------------------------------------------------------------ metrics, checkpoint
     def metrics(self, trajectories: list, weight_stats: dict[str, float]) -> dict[str, float]:

@@ -14,7 +14,7 @@ import pytest
 from megatron_arpo.config import build_config
 from megatron_arpo.data.sampler import EpochSampler
 from megatron_arpo.rollout.trajectory import NOT_SAMPLED
-from megatron_arpo.trainer.metrics import metric_pattern
+from megatron_arpo.trainer.metrics import PhaseTimer, metric_pattern
 from megatron_arpo.trainer.off_policy import BUFFER_FILE, OffPolicyLoop
 from megatron_arpo.trainer.signals import StepAborted
 from megatron_arpo.trainer.state import PromptSet, Runtime
@@ -36,24 +36,34 @@ def _script():
 
 
 class StandInActor:
-    """Records each update's batch and the batches the engines had started when it began; with
-    ``wait_for_call`` an update returns only once the engines started the next batch (it fails otherwise:
-    the engines did not generate during the update)."""
+    """Records each update's batch and the batches the engines had started when it began. With
+    ``wait_for_call`` (``"update"`` or ``"logprob"``) that phase returns only once the engines started the
+    next batch (it fails otherwise: the engines did not generate during it). Its log-probs are the
+    batch's ``proximal`` rows."""
 
-    def __init__(self, scheduler, wait_for_call: bool):
+    def __init__(self, scheduler, wait_for_call):
         self.scheduler, self.wait_for_call = scheduler, wait_for_call
         self.updates: list[dict] = []
         self.started = threading.Event()
+        self.proximal: list = []
+
+    def _wait(self, phase):
+        if self.wait_for_call == phase:
+            assert self.started.wait(timeout=30), f"the engines generated nothing during the {phase}"
+
+    def compute_log_probs(self, lp_batch, with_entropy=False):
+        self._wait("logprob")
+        return {"logprobs": self.proximal, "entropy": [[0.0] * len(row) for row in self.proximal],
+                "padding_fraction": 0.0}
 
     def update(self, batch):
         calls_before = self.scheduler._num_calls
-        if self.wait_for_call:
-            assert self.started.wait(timeout=60), "the engines generated nothing while the actor trained"
+        self._wait("update")
         self.updates.append({"batch": batch, "calls_before": calls_before})
         return {"loss": 0.0}
 
 
-def make_runtime(tmp_path: Path, max_staleness: int, total_steps: int = 3, wait_for_call: bool = False,
+def make_runtime(tmp_path: Path, max_staleness: int, total_steps: int = 3, wait_for_call=None,
                  engine_latency: float = 0.0):
     cfg = build_config({"model": {"config": "tiny-qwen3"}, "rollout": {"response_length": 512, "n": 2,
                                                                        "initial_rollouts": 2,
@@ -81,16 +91,16 @@ def make_runtime(tmp_path: Path, max_staleness: int, total_steps: int = 3, wait_
     return rt
 
 
-def one_step(rt, step: int) -> dict:
+def one_step(rt, step: int, stop_requested=lambda: False) -> dict:
     """What train.py does with a step in off-policy mode (scores and advantages left out)."""
     offp = rt.off_policy
     prompts, indices, result = offp.take_batch(step)
     trajs = result.trajectories()
-    batch = {"old_logprobs": [[0.0] * len(t.prompt_token_ids) + [v - 0.25 for v in t.response_logprobs] for t in trajs],
-             "loss_mask": [[0] * len(t.prompt_token_ids) + t.loss_mask for t in trajs]}
-    weights = offp.add_behaviour_weights(batch, trajs)
+    batch = {"input_ids": [], "group_ids": [], "loss_mask": [[0] * len(t.prompt_token_ids) + t.loss_mask for t in trajs]}
+    rt.actor.proximal = [[0.0] * len(t.prompt_token_ids) + [v - 0.25 for v in t.response_logprobs] for t in trajs]
     rt.actor.started.clear()
-    offp.update_while_generating(batch)
+    _, weights, _ = offp.train_while_generating(batch, trajs, PhaseTimer(), stop_requested)
+    assert batch["old_logprobs"] is rt.actor.proximal
     rt.group.set_version(rt.policy_version)  # the weight sync: the handles and the engines' own labels
     for handle in rt.group.engines:
         handle.target.version = rt.policy_version
@@ -113,7 +123,7 @@ def test_max_staleness_0_generates_each_batch_after_the_previous_sync(tmp_path):
 
 
 def test_max_staleness_1_generates_the_next_batch_during_the_update(tmp_path):
-    rt = make_runtime(tmp_path, max_staleness=1, total_steps=3, wait_for_call=True)
+    rt = make_runtime(tmp_path, max_staleness=1, total_steps=3, wait_for_call="update")
     out = [one_step(rt, 1), one_step(rt, 2)]
     # each update returned only after the engines started the next batch (StandInActor.wait_for_call)
     assert len(rt.actor.updates) == 2
@@ -130,9 +140,27 @@ def test_max_staleness_1_generates_the_next_batch_during_the_update(tmp_path):
     assert lagged["row"]["offpolicy/staleness/1"] == BATCH and lagged["row"]["offpolicy/token_share/1"] == 1.0
     assert lagged["row"]["offpolicy/is_weight_mean"] == pytest.approx(0.7788, abs=1e-4)
     # the last step generates nothing beyond the run (batch 4 would be step 4 of 3)
-    rt.actor.wait_for_call = False
+    rt.actor.wait_for_call = None
     one_step(rt, 3)
     assert rt.off_policy.next_batch == 4 and len(rt.off_policy.buffer) == 0
+
+
+def test_the_engines_generate_during_the_log_probs_too(tmp_path):
+    # the log-prob pass is part of the actor's step: the next batch starts while it runs, not after it
+    rt = make_runtime(tmp_path, max_staleness=1, total_steps=3, wait_for_call="logprob")
+    one_step(rt, 1)
+    assert rt.off_policy.next_batch == 3 and len(rt.off_policy.buffer) == BATCH
+
+
+def test_a_stop_before_the_update_abandons_the_step_and_keeps_its_batch(tmp_path):
+    rt = make_runtime(tmp_path, max_staleness=1, total_steps=3)
+    with pytest.raises(StepAborted, match="before its update"):
+        one_step(rt, 1, stop_requested=lambda: True)
+    assert rt.actor.updates == [] and rt.policy_version == 0
+    taken = [g.prompt_id for g in rt.off_policy.taken]
+    rt.off_policy.put_back()  # abandon_step
+    prompts, _, _ = rt.off_policy.take_batch(1)
+    assert [p.prompt_id for p in prompts] == taken  # the resumed step trains the same batch
 
 
 def test_a_checkpoint_restores_the_buffer_and_the_next_batch(tmp_path):
