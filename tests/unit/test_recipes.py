@@ -19,6 +19,7 @@ import yaml
 
 from launchers.cli import main as launchers_main, plan_main
 from launchers.planner import plan_from_config
+from megatron_arpo.cluster.placement import plan_placement
 from megatron_arpo.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -151,6 +152,10 @@ def test_offpolicy_recipe_is_its_sync_recipe_on_separate_pools(recipe):
     # as many sequences in flight as the colocated recipe, on half the engines
     assert cfg.rollout.num_engines * cfg.rollout.max_num_seqs == sync.rollout.num_engines * sync.rollout.max_num_seqs
     assert "--job-name=" + cfg.launcher.job_name in dry_run_output(recipe)
+    # the Ray pools: one actor replica (DP 1) and 4 engines of 4 GPUs, each TP group within a node of 8
+    placement = plan_placement(cfg)
+    assert {name: pool.size for name, pool in placement.pools.items()} == {"actor": 16, "rollout": 16}
+    assert cfg.layout.world_size == 16 and placement.engine_bundles[-1] == (12, 13, 14, 15)
 
 
 @pytest.mark.parametrize("gpu", GPUS)
