@@ -57,12 +57,25 @@ communicators of the GPU's processes (``NCCL_COMMUNICATOR_GIB`` each, an estimat
 fragmentation margin (``fragmentation`` of the rest). The IPC buffer stays between syncs, so a colocated
 GPU's phases count it too. Since these lines count the slack the headroom
 stands for elsewhere, the sync fits when it stays under the GPU less the fixed overhead.
+
+Separate placement splits the GPUs into an actor pool (``trainer.actor_devices``: DP = pool / (TP x PP))
+and an engine pool (``trainer.rollout_devices``: ``rollout_devices // engine TP`` engines by default).
+``trainer.mode: off_policy`` adds the rollout buffer (megatron_arpo/rollout/buffer.py), which lives in
+the driver's host memory on the head node: ``G x n x (P x 40 B + R x 96 B)`` for G buffered groups
+(``rollout.buffer_groups``, null = (K + 1) x ``train_batch_size``), n trajectories a group
+(``rollout.n``), P prompt and R response tokens at most (``data.max_prompt_tokens``,
+``rollout.response_length``). Per token a ``Trajectory`` keeps CPython lists (8 B a slot) of objects:
+the prompt's token ids (an int, 28 B in a 32 B block); the response's ids (int), sampled log-probs (a
+float, 24 B in a 32 B block), loss mask and versions (cached small ints: the slot only). The engines'
+top-k log-probs are not kept. Every object distinct (a resumed buffer) is the worst case: live branches
+share their prefix's objects and a group's trajectories their prompt's ints.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -192,6 +205,13 @@ def kv_bytes_per_token(cfg: ModelConfig, engine_tp: int) -> int:
     return 2 * cfg.num_hidden_layers * kv_heads * cfg.head_dim * BF16
 
 
+# Host bytes a buffered trajectory holds per token (see the module docstring): a list slot and the object.
+LIST_SLOT, INT_BLOCK, FLOAT_BLOCK = 8, 32, 32  # int 28 B and float 24 B, in pymalloc's 16 B-aligned blocks
+BUFFER_BYTES_PER_PROMPT_TOKEN = LIST_SLOT + INT_BLOCK  # prompt_token_ids
+# response_ids, response_logprobs, then loss_mask and token_versions (small ints: the slot only)
+BUFFER_BYTES_PER_RESPONSE_TOKEN = (LIST_SLOT + INT_BLOCK) + (LIST_SLOT + FLOAT_BLOCK) + 2 * LIST_SLOT
+
+
 # One NCCL communicator's device memory (channel buffers of its protocols and peers), an estimate: about
 # 16-32 channels x 2 peers x ~5 MiB. NVLink SHARP (NCCL_NVLS_ENABLE) can take more.
 NCCL_COMMUNICATOR_GIB = 0.25
@@ -317,6 +337,16 @@ class PlanInput:
     sync_transport: str = RolloutSection.sync_transport  # auto = ipc colocated, nccl separate
     nccl_communicator_gib: float = NCCL_COMMUNICATOR_GIB
     fragmentation: float = FRAGMENTATION
+    actor_devices: int | None = None  # separate: the actor pool (trainer.actor_devices); null = every GPU
+    rollout_devices: int | None = None  # separate: the engine pool (trainer.rollout_devices); null = every GPU
+    mode: str = "sync"  # trainer.mode; off_policy counts the rollout buffer in the driver's host memory
+    n: int = 16  # rollout.n: trajectories a prompt group holds
+    prompt_tokens: int = 1536  # data.max_prompt_tokens
+    response_tokens: int = 4096  # rollout.response_length
+    train_batch_size: int = 128  # prompt groups a step trains
+    max_staleness: int = 1  # rollout.max_staleness (K)
+    buffer_groups: int | None = None  # rollout.buffer_groups; null = (K + 1) x train_batch_size
+    host_memory_gib: float | None = None  # a node's host memory (launcher.memory_per_node); null = unknown
 
 
 @dataclass
@@ -344,6 +374,11 @@ class Plan:
     fits_sync: bool = True
     suggestions: list = field(default_factory=list)
     active_params: int = 0  # parameters one token uses (MoE: its top-k experts); = total_params if dense
+    actor_gpus: int = 0  # the actor pool (every GPU when colocated)
+    engine_gpus: int = 0  # the engine pool (every GPU when colocated)
+    num_engines: int = 0
+    buffer_gib: dict = field(default_factory=dict)  # off_policy: the rollout buffer (see buffer_memory); {} in sync
+    fits_host: bool | None = None  # the buffer and the batch in a node's host memory; None: not known
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -406,6 +441,29 @@ def ipc_buffer_gib(p: PlanInput) -> float:
     return largest_sync_bucket(p.model, p.pp, p.sync_bucket_mb * 2**20) / GiB
 
 
+def pool_gpus(p: PlanInput) -> tuple[int, int]:
+    """GPUs of the actor pool and of the engine pool: every GPU each when colocated or when neither pool is
+    given; separate with one given, the other takes the rest."""
+    world = p.nodes * p.gpus_per_node
+    if p.placement != "separate" or (p.actor_devices is None and p.rollout_devices is None):
+        return world, world
+    return p.actor_devices or world - p.rollout_devices, p.rollout_devices or world - p.actor_devices
+
+
+def buffer_memory(p: PlanInput) -> dict[str, float]:
+    """Host GiB of the off-policy rollout buffer and of the batch being trained (see the module docstring);
+    empty in sync mode."""
+    if p.mode != "off_policy":
+        return {}
+    groups = p.buffer_groups or (p.max_staleness + 1) * p.train_batch_size
+    per_trajectory = (p.prompt_tokens * BUFFER_BYTES_PER_PROMPT_TOKEN
+                      + p.response_tokens * BUFFER_BYTES_PER_RESPONSE_TOKEN)
+    buffer = groups * p.n * per_trajectory / GiB
+    batch = p.train_batch_size * p.n * per_trajectory / GiB  # taken out of the buffer, held while it trains
+    return {"groups": groups, "trajectories": groups * p.n, "bytes_per_trajectory": per_trajectory,
+            "buffer": buffer, "batch": batch, "total": buffer + batch}
+
+
 def sync_transport(p: PlanInput) -> str:
     if p.sync_transport != "auto":
         return p.sync_transport
@@ -416,8 +474,8 @@ def nccl_communicators(p: PlanInput, dp: int, transport: str) -> dict[str, int]:
     """Communicators with a member on one GPU, by owner: the actor rank's Megatron groups in use (TP, DP,
     PP) and the sender group of an IPC sync (the default group), the engine worker's TP group and NCCL
     weight-transfer group; colocated, both processes share the GPU."""
-    world = p.nodes * p.gpus_per_node
-    actor = (p.tp > 1) + (dp > 1) + (p.pp > 1) + (transport == "ipc" and world > 1)
+    actor_world = pool_gpus(p)[0]
+    actor = (p.tp > 1) + (dp > 1) + (p.pp > 1) + (transport == "ipc" and actor_world > 1)
     engine = (p.engine_tp > 1) + (transport == "nccl")
     return {"actor": int(actor + (transport == "nccl")), "engine": int(engine)}
 
@@ -457,10 +515,18 @@ def make_plan(p: PlanInput, suggest: bool = True) -> Plan:
     if engine_errors:
         raise ValueError("; ".join(engine_errors))
     world = p.nodes * p.gpus_per_node
-    dp = derive_data_parallel(p.tp, p.pp, world, p.dp)
-    if p.dp is None and world % (p.tp * p.pp):
-        raise ValueError(f"{world} GPUs ({p.nodes} nodes x {p.gpus_per_node}) are not a multiple of "
-                         f"TP*PP = {p.tp * p.pp}; change launcher.nodes/gpus_per_node or actor TP/PP")
+    actor_gpus, engine_gpus = pool_gpus(p)
+    if p.placement == "separate" and (actor_gpus < 1 or engine_gpus < 1 or
+                                      (p.actor_devices or p.rollout_devices) and actor_gpus + engine_gpus > world):
+        raise ValueError(f"trainer.actor_devices {actor_gpus} + trainer.rollout_devices {engine_gpus}: each pool "
+                         f"needs a GPU and both must fit in the {world} GPUs ({p.nodes} nodes x {p.gpus_per_node})")
+    dp = derive_data_parallel(p.tp, p.pp, actor_gpus, p.dp)
+    if p.dp is None and actor_gpus % (p.tp * p.pp):
+        where = (f"the actor pool of {actor_gpus} GPUs (trainer.actor_devices)" if actor_gpus != world else
+                 f"{world} GPUs ({p.nodes} nodes x {p.gpus_per_node})")
+        raise ValueError(f"{where} is not a multiple of TP*PP = {p.tp * p.pp}; change "
+                         f"{'trainer.actor_devices' if actor_gpus != world else 'launcher.nodes/gpus_per_node'} "
+                         f"or actor TP/PP")
     expert_errors = expert_world_errors(p.tp, dp, p.ep, p.etp)
     if expert_errors:
         raise ValueError("; ".join(expert_errors))
@@ -469,13 +535,21 @@ def make_plan(p: PlanInput, suggest: bool = True) -> Plan:
     budget = budget_gib(p)
     actor_peak = worst["total"] / GiB
     colocated = colocated_peak(p, worst, rollout)
-    num_engines = p.num_engines or max(1, world // p.engine_tp)
+    num_engines = p.num_engines or max(1, engine_gpus // p.engine_tp)
+    if p.placement == "separate" and num_engines * p.engine_tp > engine_gpus:
+        raise ValueError(f"rollout.num_engines x rollout.tensor_parallel = {num_engines * p.engine_tp} exceeds the "
+                         f"engine pool of {engine_gpus} GPUs (trainer.rollout_devices)")
+    buffer = buffer_memory(p)
+    fits_host = None
+    if buffer and p.host_memory_gib:  # the rest of the node serves Ray and the processes: the headroom
+        fits_host = buffer["total"] <= (1 - p.headroom) * p.host_memory_gib
     moved = hf_param_count(p.model) * BF16 / GiB
     sync = sync_memory(p, dp, worst, rollout)
     fits_actor = actor_peak <= budget
     fits_rollout = rollout["total"] <= rollout["reserved"] <= budget + p.overhead_gib
     fits_sync = sync["total"] <= sync_limit_gib(p)
     fits = fits_rollout and fits_sync and (colocated <= budget if p.placement == "colocated" else fits_actor)
+    fits = fits and fits_host is not False
     plan = Plan(inputs={k: v for k, v in dataclasses.asdict(p).items() if k != "model"} | {"model": p.model.name},
                 world=world, dp=dp, total_params=hf_param_count(p.model),
                 params_per_rank={k: s["num_params"] for k, s in stages.items()}, worst_stage=worst["stage"],
@@ -485,15 +559,17 @@ def make_plan(p: PlanInput, suggest: bool = True) -> Plan:
                 fits_actor=fits_actor, fits_rollout=fits_rollout, fits=fits,
                 weight_sync_gib_per_engine=moved, weight_sync_gib_total=moved * num_engines,
                 sync_gib=sync, sync_peak_gib=sync["total"], fits_sync=fits_sync,
-                active_params=active_param_count(p.model))
+                active_params=active_param_count(p.model), actor_gpus=actor_gpus, engine_gpus=engine_gpus,
+                num_engines=num_engines, buffer_gib=buffer, fits_host=fits_host)
     if suggest:
         plan.suggestions = suggest_layouts(p)
     return plan
 
 
 def suggest_layouts(p: PlanInput, limit: int = 5) -> list[dict]:
-    """Smallest model-parallel layouts (actor TP x PP, then engine TP) that fit on this many GPUs."""
-    world = p.nodes * p.gpus_per_node
+    """Smallest model-parallel layouts (actor TP x PP, then engine TP) that fit on this many GPUs (the actor's
+    layouts over the actor pool)."""
+    world = pool_gpus(p)[0]
     tps = [t for t in (1, 2, 4, 8) if t <= p.gpus_per_node]
     budget = budget_gib(p)
     engines = []
@@ -540,7 +616,7 @@ def suggest_layouts(p: PlanInput, limit: int = 5) -> list[dict]:
 
 def _sync_fits(q: PlanInput, engine_tp: int, need_gib: float, worst: dict) -> bool:
     q = dataclasses.replace(q, engine_tp=engine_tp, gpu_memory_utilization=_utilization(q, need_gib))
-    dp = derive_data_parallel(q.tp, q.pp, q.nodes * q.gpus_per_node)
+    dp = derive_data_parallel(q.tp, q.pp, pool_gpus(q)[0])
     return sync_memory(q, dp, worst, rollout_memory(q))["total"] <= sync_limit_gib(q)
 
 
@@ -566,8 +642,10 @@ def plan_input_from_config(cfg: Mapping[str, Any] | Any, model: str | None = Non
     if not model_name:
         raise ValueError("give --model-config NAME or a --config whose model.config names a model")
     mcfg = load_model_config(model_name)
-    actor, rollout, launcher = sec["actor"], sec["rollout"], sec["launcher"]
-    seq_len = sec["data"].get("max_prompt_tokens", 1536) + rollout.get("response_length", 4096)
+    actor, rollout, launcher, trainer = sec["actor"], sec["rollout"], sec["launcher"], sec["trainer"]
+    prompt_tokens = sec["data"].get("max_prompt_tokens", PlanInput.prompt_tokens)
+    response_tokens = rollout.get("response_length", PlanInput.response_tokens)
+    seq_len = prompt_tokens + response_tokens
     max_len = rollout.get("max_model_len") or seq_len
     use_te = str(actor.get("use_te", "auto")).lower()
     return PlanInput(
@@ -585,11 +663,25 @@ def plan_input_from_config(cfg: Mapping[str, Any] | Any, model: str | None = Non
         num_engines=rollout.get("num_engines"), max_model_len=max_len,
         concurrency=rollout.get("max_num_seqs") or 64,
         gpu_memory_utilization=rollout.get("gpu_memory_utilization", 0.6),
-        placement=sec["trainer"].get("placement", "colocated"),
+        placement=trainer.get("placement", "colocated"),
         sync_bucket_mb=rollout.get("sync_bucket_mb", RolloutSection.sync_bucket_mb),
         sync_transport=rollout.get("sync_transport", RolloutSection.sync_transport),
         # Colocated phases that release each other's memory need both switches (see the module doc).
-        sleep_offload=bool(rollout.get("enable_sleep_mode") and actor.get("offload")))
+        sleep_offload=bool(rollout.get("enable_sleep_mode") and actor.get("offload")),
+        actor_devices=trainer.get("actor_devices"), rollout_devices=trainer.get("rollout_devices"),
+        mode=trainer.get("mode", "sync"), n=rollout.get("n", PlanInput.n), prompt_tokens=prompt_tokens,
+        response_tokens=response_tokens,
+        train_batch_size=trainer.get("train_batch_size", PlanInput.train_batch_size),
+        max_staleness=rollout.get("max_staleness", RolloutSection.max_staleness),
+        buffer_groups=rollout.get("buffer_groups"), host_memory_gib=slurm_size_gib(launcher.get("memory_per_node")))
+
+
+def slurm_size_gib(value: Any) -> float | None:
+    """GiB of a Slurm memory size (``480G``, ``400M``, ``2T``; no suffix = MiB); None for all, null or other."""
+    match = re.fullmatch(r"(\d+)([KMGT]?)", str(value)) if value is not None else None
+    if not match:
+        return None
+    return int(match.group(1)) * 1024 ** ("KMGT".index(match.group(2) or "M") + 1) / GiB
 
 
 def plan_from_config(cfg: Mapping[str, Any] | Any, **overrides) -> Plan:
@@ -613,6 +705,38 @@ def format_sync(plan: Plan) -> list[str]:
             f"(the GPU less the {i['overhead_gib']} GiB overhead) -> {ok[plan.fits_sync]}"]
 
 
+def format_pools(plan: Plan) -> list[str]:
+    """Separate placement: which GPUs the actor and the engines own (nothing when colocated)."""
+    i = plan.inputs
+    if i["placement"] != "separate":
+        return []
+    idle = plan.world - plan.actor_gpus - plan.engine_gpus
+    return [f"GPU pools (separate): actor {plan.actor_gpus} GPUs (TP {i['tp']} x PP {i['pp']} x DP {plan.dp}), "
+            f"engines {plan.engine_gpus} GPUs ({plan.num_engines} engines x TP {i['engine_tp']})"
+            + (f", {idle} GPUs unused" if idle > 0 else "")]
+
+
+def format_buffer(plan: Plan) -> list[str]:
+    """Off-policy mode: the rollout buffer in the driver's host memory (nothing in sync mode)."""
+    b, i = plan.buffer_gib, plan.inputs
+    if not b:
+        return []
+    default = "" if i["buffer_groups"] else f" (({i['max_staleness']} + 1) x {i['train_batch_size']})"
+    lines = [f"rollout buffer (off_policy, the driver's host memory on the head node): {b['groups']} groups"
+             f"{default} x {i['n']} trajectories x ({i['prompt_tokens']} prompt x {BUFFER_BYTES_PER_PROMPT_TOKEN} B "
+             f"+ {i['response_tokens']} response tokens x {BUFFER_BYTES_PER_RESPONSE_TOKEN} B) = "
+             f"{b['buffer']:.1f} GiB",
+             f"  with the batch being trained ({i['train_batch_size']} groups, held in sync mode too): "
+             f"{b['total']:.1f} GiB"]
+    if plan.fits_host is None:
+        lines[-1] += "; the node's memory is not in the config (launcher.memory_per_node): not checked"
+    else:
+        ok = "fits" if plan.fits_host else "DOES NOT FIT"
+        lines[-1] += (f" of the node's {i['host_memory_gib']:.0f} GiB (launcher.memory_per_node, "
+                      f"{i['headroom']:.0%} headroom) -> {ok}")
+    return lines
+
+
 def format_plan(plan: Plan) -> str:
     i = plan.inputs
     ok = {True: "fits", False: "DOES NOT FIT"}
@@ -628,6 +752,7 @@ def format_plan(plan: Plan) -> str:
         + (f", {plan.active_params:,} active per token" if plan.active_params != plan.total_params else "")
         + f") on {i['nodes']} x {i['gpus_per_node']} {i['gpu']} "
         f"(budget {plan.budget_gib:.1f} GiB/GPU after {i['headroom']:.0%} headroom and {i['overhead_gib']} GiB overhead)",
+        *format_pools(plan),
         f"actor: TP={i['tp']} PP={i['pp']} DP={plan.dp}"
         + (f" EP={i['ep']} expert TP={i['etp'] or i['tp']}" if i['ep'] > 1 or i['etp'] else "")
         + f", distributed optimizer {i['distributed_optimizer']}, "
@@ -645,6 +770,7 @@ def format_plan(plan: Plan) -> str:
         f"weight sync per step: {plan.weight_sync_gib_per_engine:.1f} GiB per engine, "
         f"{plan.weight_sync_gib_total:.1f} GiB to all engines",
         *format_sync(plan),
+        *format_buffer(plan),
     ]
     if plan.suggestions:
         lines.append("layouts that fit (actor TP x PP, engine TP, rollout.gpu_memory_utilization):")

@@ -1,5 +1,7 @@
 """The shipped 32B recipes: they load and validate, the planner says they fit on H100-80G in every phase,
-docs/launching.md shows their current `--dry-run` scripts and docs/memory.md their planner output.
+docs/launching.md shows their current `--dry-run` scripts and docs/memory.md their planner output; the
+off-policy variants differ from their sync recipe only in the pools and the mode, and docs/off_policy.md
+shows their plan.
 
 `python tests/unit/test_recipes.py` prints the generated blocks of both pages (run it from the repository root
 and paste them when a recipe, the renderer or the planner changes)."""
@@ -7,6 +9,7 @@ and paste them when a recipe, the renderer or the planner changes)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import os
 from pathlib import Path
@@ -16,6 +19,7 @@ import yaml
 
 from launchers.cli import main as launchers_main, plan_main
 from launchers.planner import plan_from_config
+from megatron_arpo.cluster.placement import plan_placement
 from megatron_arpo.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,6 +27,12 @@ RECIPES = {
     "configs/qwq-32b-arpo-deepsearch.yaml": {"model": "qwq-32b", "tools": {"search", "python"}, "call_limit": 6},
     "configs/qwen3-32b-arpo-reasoning.yaml": {"model": "qwen3-32b", "tools": {"search", "python"}, "call_limit": 3},
 }
+# The off-policy variant of each RL recipe (separate GPU pools): what may differ from it, and nothing else.
+OFFPOLICY_RECIPES = {"configs/qwq-32b-arpo-deepsearch-offpolicy.yaml": "configs/qwq-32b-arpo-deepsearch.yaml",
+                     "configs/qwen3-32b-arpo-reasoning-offpolicy.yaml": "configs/qwen3-32b-arpo-reasoning.yaml"}
+OFFPOLICY_CHANGES = {"name", "rollout.num_engines", "rollout.gpu_memory_utilization", "rollout.max_num_seqs",
+                     "rollout.sync_transport", "trainer.placement", "trainer.mode", "trainer.actor_devices",
+                     "trainer.rollout_devices", "trainer.run_dir", "logging.wandb.tags", "launcher.job_name"}
 # The cold-start SFT recipe of each RL recipe: same model and actor layout; its HF export is the RL checkpoint.
 SFT_RECIPES = {"configs/qwq-32b-sft.yaml": "configs/qwq-32b-arpo-deepsearch.yaml",
                "configs/qwen3-32b-sft.yaml": "configs/qwen3-32b-arpo-reasoning.yaml"}
@@ -119,6 +129,59 @@ def test_planner_says_recipe_fits_on_h100_in_every_phase(recipe):
     assert code == 0 and "DOES NOT FIT" not in out.split("layouts that fit")[0], out
 
 
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out |= _flat(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+@pytest.mark.parametrize("recipe", sorted(OFFPOLICY_RECIPES))
+def test_offpolicy_recipe_is_its_sync_recipe_on_separate_pools(recipe):
+    cfg, sync = load_config(ROOT / recipe), load_config(ROOT / OFFPOLICY_RECIPES[recipe])
+    assert (cfg.trainer.mode, cfg.trainer.placement, cfg.rollout.max_staleness) == ("off_policy", "separate", 1)
+    assert cfg.trainer.actor_devices + cfg.trainer.rollout_devices == 32 and cfg.rollout.sync_transport == "nccl"
+    assert cfg.rollout.buffer_groups == 2 * cfg.trainer.train_batch_size  # null in the file: (K + 1) x batch
+    new, old = _flat(dataclasses.asdict(cfg)), _flat(dataclasses.asdict(sync))
+    new.pop("rollout.buffer_groups"), old.pop("rollout.buffer_groups")  # resolved from the batch (and K)
+    changed = {k for k in new.keys() | old.keys() if new.get(k) != old.get(k)}
+    assert changed <= OFFPOLICY_CHANGES, sorted(changed - OFFPOLICY_CHANGES)
+    # as many sequences in flight as the colocated recipe, on half the engines
+    assert cfg.rollout.num_engines * cfg.rollout.max_num_seqs == sync.rollout.num_engines * sync.rollout.max_num_seqs
+    assert "--job-name=" + cfg.launcher.job_name in dry_run_output(recipe)
+    # the Ray pools: one actor replica (DP 1) and 4 engines of 4 GPUs, each TP group within a node of 8
+    placement = plan_placement(cfg)
+    assert {name: pool.size for name, pool in placement.pools.items()} == {"actor": 16, "rollout": 16}
+    assert cfg.layout.world_size == 16 and placement.engine_bundles[-1] == (12, 13, 14, 15)
+
+
+@pytest.mark.parametrize("gpu", GPUS)
+@pytest.mark.parametrize("recipe", sorted(OFFPOLICY_RECIPES))
+def test_planner_says_offpolicy_recipe_fits_and_counts_both_pools_and_the_buffer(recipe, gpu):
+    cfg = load_config(ROOT / recipe)
+    plan = plan_from_config(yaml.safe_load((ROOT / recipe).read_text()), gpu=gpu)
+    assert plan.fits_actor and plan.fits_rollout and plan.fits_sync and plan.fits, plan.to_dict()
+    assert (plan.world, plan.actor_gpus, plan.engine_gpus, plan.dp, plan.num_engines) == (
+        32, cfg.trainer.actor_devices, cfg.trainer.rollout_devices, 1, cfg.rollout.num_engines)
+    per_trajectory = 40 * cfg.data.max_prompt_tokens + 96 * cfg.rollout.response_length
+    assert plan.buffer_gib["buffer"] == pytest.approx(
+        cfg.rollout.buffer_groups * cfg.rollout.n * per_trajectory / 2**30)
+    code, out = plan_output(recipe, gpu)
+    assert code == 0 and "DOES NOT FIT" not in out.split("layouts that fit")[0], out
+    assert "GPU pools (separate)" in out and "rollout buffer (off_policy" in out
+
+
+def test_off_policy_doc_shows_the_offpolicy_recipes_current_plan():
+    doc = (ROOT / "docs" / "off_policy.md").read_text()
+    for recipe in OFFPOLICY_RECIPES:
+        assert f"megatron-arpo plan --config {recipe} --gpu h100-80g" in doc
+        stale = "docs/off_policy.md is stale: run `python tests/unit/test_recipes.py` and paste its blocks"
+        assert plan_output(recipe)[1] in doc, f"{stale} ({recipe} plan)"
+
+
 def test_docs_show_current_dry_run_and_planner_output():
     launching = (ROOT / "docs" / "launching.md").read_text()
     memory = (ROOT / "docs" / "memory.md").read_text()
@@ -137,6 +200,9 @@ if __name__ == "__main__":
         print(f"===== megatron-arpo launch slurm --config {recipe} {' '.join(SLURM_ARGS)} --dry-run")
         print(dry_run_output(recipe), end="")
     for recipe in RECIPES:
+        print(f"===== megatron-arpo plan --config {recipe} --gpu h100-80g")
+        print(plan_output(recipe)[1], end="")
+    for recipe in OFFPOLICY_RECIPES:  # docs/off_policy.md
         print(f"===== megatron-arpo plan --config {recipe} --gpu h100-80g")
         print(plan_output(recipe)[1], end="")
     print("===== reference table")
