@@ -36,6 +36,12 @@ OFFPOLICY_CHANGES = {"name", "rollout.num_engines", "rollout.gpu_memory_utilizat
 # The cold-start SFT recipe of each RL recipe: same model and actor layout; its HF export is the RL checkpoint.
 SFT_RECIPES = {"configs/qwq-32b-sft.yaml": "configs/qwq-32b-arpo-deepsearch.yaml",
                "configs/qwen3-32b-sft.yaml": "configs/qwen3-32b-arpo-reasoning.yaml"}
+# The MoE recipe and the dense recipe whose run it repeats: what may differ (model, layout, pools), nothing else.
+MOE_RECIPES = {"configs/qwen3-30b-a3b-arpo.yaml": "configs/qwen3-32b-arpo-reasoning.yaml"}
+MOE_CHANGES = {"name", "model.config", "model.hf_checkpoint", "actor.tensor_parallel", "actor.pipeline_parallel",
+               "actor.expert_parallel", "actor.expert_tensor_parallel", "rollout.num_engines",
+               "rollout.gpu_memory_utilization", "trainer.run_dir", "logging.wandb.tags", "launcher.nodes",
+               "launcher.job_name"}
 GPUS = ("h100-80g", "h200-141g", "a100-80g")
 SLURM_ARGS = ("--partition", "P", "--account", "A", "--time", "48:00:00")
 
@@ -174,6 +180,38 @@ def test_planner_says_offpolicy_recipe_fits_and_counts_both_pools_and_the_buffer
     assert "GPU pools (separate)" in out and "rollout buffer (off_policy" in out
 
 
+@pytest.mark.parametrize("recipe", sorted(MOE_RECIPES))
+def test_moe_recipe_is_the_dense_run_on_an_expert_parallel_layout(recipe):
+    cfg, dense = load_config(ROOT / recipe), load_config(ROOT / MOE_RECIPES[recipe])
+    assert cfg.model.config == "qwen3-30b-a3b" and (cfg.launcher.nodes, cfg.launcher.gpus_per_node) == (2, 8)
+    assert (cfg.actor.tensor_parallel, cfg.actor.pipeline_parallel, cfg.actor.expert_parallel) == (4, 2, 8)
+    new, old = _flat(dataclasses.asdict(cfg)), _flat(dataclasses.asdict(dense))
+    changed = {k for k in new.keys() | old.keys() if new.get(k) != old.get(k)}
+    assert changed <= MOE_CHANGES, sorted(changed - MOE_CHANGES)
+    assert "--nodes=2" in dry_run_output(recipe)
+    placement = plan_placement(cfg)
+    assert placement.engine_bundles[-1] == (12, 13, 14, 15)  # 4 engines of TP 4, each within a node of 8
+
+
+@pytest.mark.parametrize("gpu", GPUS)
+@pytest.mark.parametrize("recipe", sorted(MOE_RECIPES))
+def test_planner_says_moe_recipe_fits_in_every_phase(recipe, gpu):
+    plan = plan_from_config(yaml.safe_load((ROOT / recipe).read_text()), gpu=gpu)
+    assert plan.fits_actor and plan.fits_rollout and plan.fits_sync and plan.fits, plan.to_dict()
+    assert (plan.world, plan.dp) == (16, 2) and plan.active_params < plan.total_params / 9
+    code, out = plan_output(recipe, gpu)
+    assert code == 0 and "DOES NOT FIT" not in out.split("layouts that fit")[0], out
+    assert "EP=8 expert TP=1" in out
+
+
+def test_moe_doc_shows_the_moe_recipes_current_plan():
+    doc = (ROOT / "docs" / "moe.md").read_text()
+    for recipe in MOE_RECIPES:
+        assert f"megatron-arpo plan --config {recipe} --gpu h100-80g" in doc
+        stale = "docs/moe.md is stale: run `python tests/unit/test_recipes.py` and paste its blocks"
+        assert plan_output(recipe)[1] in doc, f"{stale} ({recipe} plan)"
+
+
 def test_off_policy_doc_shows_the_offpolicy_recipes_current_plan():
     doc = (ROOT / "docs" / "off_policy.md").read_text()
     for recipe in OFFPOLICY_RECIPES:
@@ -203,6 +241,9 @@ if __name__ == "__main__":
         print(f"===== megatron-arpo plan --config {recipe} --gpu h100-80g")
         print(plan_output(recipe)[1], end="")
     for recipe in OFFPOLICY_RECIPES:  # docs/off_policy.md
+        print(f"===== megatron-arpo plan --config {recipe} --gpu h100-80g")
+        print(plan_output(recipe)[1], end="")
+    for recipe in MOE_RECIPES:  # docs/moe.md
         print(f"===== megatron-arpo plan --config {recipe} --gpu h100-80g")
         print(plan_output(recipe)[1], end="")
     print("===== reference table")
