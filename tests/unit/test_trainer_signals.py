@@ -76,7 +76,7 @@ def test_a_stop_cancels_a_running_phase_at_once(handlers):
     with pytest.raises(StepAborted, match="the rollout of step 3 was cancelled by a stop request"):
         rt.run_async(endless_rollout(), 3600, "the rollout of step 3", "trainer.timeouts.rollout_s",
                      cancel_when=lambda: stop.requested)
-    assert time.monotonic() - start < 2.0 and cleaned == [True]
+    assert time.monotonic() - start < 10.0 and cleaned == [True]  # not the hour: a poll interval (plus a loaded host)
     # Without a stop the phase runs to its result.
     stop2 = StopRequest()
     assert rt.run_async(asyncio.sleep(0.05, result="done"), 10, "x", "k", cancel_when=lambda: stop2.requested) == "done"
