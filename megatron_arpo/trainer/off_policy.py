@@ -169,16 +169,21 @@ class OffPolicyLoop:
         rt = self.rt
         limit = rt.total_steps
 
+        finished_at: list[float] = []
+
+        def timed_update() -> dict[str, float]:
+            out = steps.update(rt, batch)
+            finished_at.append(time.perf_counter())
+            return out
+
         async def both() -> dict[str, float]:
             loop = asyncio.get_running_loop()
-            update = loop.run_in_executor(None, steps.update, rt, batch)
+            update = loop.run_in_executor(None, timed_update)
             while not update.done() and self._admissible(limit) and not (cancel_when and cancel_when()):
                 await self._generate_one()  # a stop request is served after this call, at the step's end
-            if not update.done():
-                return await update
-            wait_start = time.perf_counter()  # the update finished first: the actor waited for this call
             out = await update
-            self.waited_s += time.perf_counter() - wait_start
+            if finished_at:  # the actor waited from the update's end for the call that was still running
+                self.waited_s += max(time.perf_counter() - finished_at[0], 0.0)
             return out
 
         timeout = rt.cfg.trainer.timeouts.update_s + rt.cfg.trainer.timeouts.rollout_s
