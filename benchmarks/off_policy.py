@@ -165,7 +165,7 @@ def run_record(rows: Sequence[Mapping], mode: str) -> dict:
             "engine_idle": engine_idle, "actor_idle": actor_idle, "rollout_s_per_step": rollout / len(rows),
             "update_s_per_step": update / len(rows), "step_s": wall / len(rows),
             "calls_per_traj": {t: statistics.fmean(r[f"tools/{t}/calls_per_traj"] for r in rows) for t in tools},
-            "dropped_stale": sum(r.get("offpolicy/dropped_stale", 0) for r in rows)}
+            "dropped_stale": int(sum(r.get("offpolicy/dropped_stale", 0) for r in rows))}
 
 
 def summarize(records: Iterable[Mapping]) -> dict:
@@ -174,7 +174,8 @@ def summarize(records: Iterable[Mapping]) -> dict:
     for rec in records:
         groups.setdefault((rec["latency_s"], rec["mode"]), []).append(rec)
     out: dict = {}
-    for (latency, mode), recs in sorted(groups.items()):
+    order = list(MODES)
+    for (latency, mode), recs in sorted(groups.items(), key=lambda kv: (kv[0][0], order.index(kv[0][1]))):
         entry = {k: {"min": min(r[k] for r in recs), "median": statistics.median(r[k] for r in recs),
                      "max": max(r[k] for r in recs)} for k in STATS}
         entry["repeats"] = len(recs)
