@@ -6,6 +6,7 @@ tests/integration/test_off_policy_train.py."""
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -200,3 +201,28 @@ def test_engines_labelling_tokens_with_another_version_stop_the_step_instead_of_
     with pytest.raises(RuntimeError, match="label their tokens with another version"):
         rt.off_policy.take_batch(1)
     assert rt.off_policy.buffer.counters["dropped_stale"] > 0
+
+
+def test_actor_idle_counts_the_wait_for_the_call_still_running_after_the_update(tmp_path):
+    rt = make_runtime(tmp_path, max_staleness=1, total_steps=3, wait_for_call="update", engine_latency=0.05)
+    one_step(rt, 1)
+    ends = {}
+    update, run = rt.actor.update, rt.scheduler.run
+
+    def timed_update(batch):  # returns as soon as the next batch has started: the actor then waits for it
+        out = update(batch)
+        ends["update"] = time.perf_counter()
+        return out
+
+    async def timed_run(*args, **kwargs):
+        out = await run(*args, **kwargs)
+        ends["call"] = time.perf_counter()
+        return out
+
+    rt.actor.update, rt.scheduler.run = timed_update, timed_run
+    rt.off_policy.waited_s = 0.0
+    one_step(rt, 2)
+    waited_after_update = ends["call"] - ends["update"]
+    assert waited_after_update > 0.05  # the call outlived the update (its requests take 0.05 s each)
+    # the same interval, give or take the few statements between the two clocks (none before the fix)
+    assert rt.off_policy.waited_s >= 0.5 * waited_after_update
