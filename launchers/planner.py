@@ -82,6 +82,7 @@ from typing import Any, Mapping
 from megatron_arpo.model_config import ModelConfig, load_model_config
 from megatron_arpo.parallel_layout import (derive_data_parallel, engine_tp_errors, expert_world_errors,
                                            model_layout_errors)
+from megatron_arpo.config_schema import TrainerSection
 from megatron_arpo.rollout.config import RolloutSection
 from megatron_arpo.weight_sync.protocol import pack_in_order
 
@@ -328,8 +329,8 @@ class PlanInput:
     num_engines: int | None = None  # null = GPUs / engine_tp
     max_model_len: int = 8192
     concurrency: int = 64  # sequences per engine (vLLM max_num_seqs)
-    gpu_memory_utilization: float = 0.6  # vLLM's reservation, a share of the whole GPU
-    placement: str = "colocated"
+    gpu_memory_utilization: float = RolloutSection.gpu_memory_utilization  # vLLM's reservation, a share of the whole GPU
+    placement: str = TrainerSection.placement
     sleep_offload: bool = False  # colocated phases release each other's memory (vLLM sleep + actor offload)
     headroom: float = 0.10
     overhead_gib: float = 2.0  # CUDA context, library workspaces
@@ -337,15 +338,15 @@ class PlanInput:
     sync_transport: str = RolloutSection.sync_transport  # auto = ipc colocated, nccl separate
     nccl_communicator_gib: float = NCCL_COMMUNICATOR_GIB
     fragmentation: float = FRAGMENTATION
-    actor_devices: int | None = None  # separate: the actor pool (trainer.actor_devices); null = every GPU
-    rollout_devices: int | None = None  # separate: the engine pool (trainer.rollout_devices); null = every GPU
-    mode: str = "sync"  # trainer.mode; off_policy counts the rollout buffer in the driver's host memory
-    n: int = 16  # rollout.n: trajectories a prompt group holds
+    actor_devices: int | None = TrainerSection.actor_devices  # separate: the actor pool (trainer.actor_devices); null = every GPU
+    rollout_devices: int | None = TrainerSection.rollout_devices  # separate: the engine pool (trainer.rollout_devices); null = every GPU
+    mode: str = TrainerSection.mode  # trainer.mode; off_policy counts the rollout buffer in the driver's host memory
+    n: int = RolloutSection.n  # rollout.n: trajectories a prompt group holds
     prompt_tokens: int = 1536  # data.max_prompt_tokens
     response_tokens: int = 4096  # rollout.response_length
-    train_batch_size: int = 128  # prompt groups a step trains
-    max_staleness: int = 1  # rollout.max_staleness (K)
-    buffer_groups: int | None = None  # rollout.buffer_groups; null = (K + 1) x train_batch_size
+    train_batch_size: int = TrainerSection.train_batch_size  # prompt groups a step trains
+    max_staleness: int = RolloutSection.max_staleness  # rollout.max_staleness (K)
+    buffer_groups: int | None = RolloutSection.buffer_groups  # rollout.buffer_groups; null = (K + 1) x train_batch_size
     host_memory_gib: float | None = None  # a node's host memory (launcher.memory_per_node); null = unknown
 
 
