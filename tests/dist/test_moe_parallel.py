@@ -107,3 +107,54 @@ def test_swapped_experts_fail_parity_and_round_trip():
         assert torch.equal(r["exported"][name], reader.read(name.replace(".2.", ".3.")))
     assert torch.equal(synced[name], reader.read(name.replace(".2.", ".3.")))
     assert not torch.equal(synced[name], reader.read(name))
+
+
+def _actor_worker(rank: int, world_size: int, hf_dir: str, out_dir: str) -> dict:
+    """The actor worker at PP2 x EP2 (DP2 per stage): its weight-sync send path and its HF checkpoint."""
+    from megatron_arpo.actor.worker import MegatronActorWorker
+    from megatron_arpo.config import build_config
+    from megatron_arpo.weight_sync.senders.base import StageSender
+
+    cfg = build_config({
+        "model": {"config": NAME}, "tools": {"search": {"enabled": False}},
+        "data": {"max_prompt_tokens": 8},
+        "rollout": {"response_length": 16, "n": 2, "initial_rollouts": 2, "entropy_window": 8},
+        "trainer": {"train_batch_size": 4, "keep_last": 2},
+        "actor": {"pipeline_parallel": 2, "expert_parallel": 2, "params_dtype": "fp32", "micro_batch_tokens": 64,
+                  "mini_batch_size": 2}})
+
+    class Recorder(StageSender):  # the transport's place: keeps what the stage sender would put on the wire
+        sent: dict = {}
+
+        def _transfer(self, flat, layout, info, what):
+            self.sent.update({name: t.clone() for name, t in layout.views(flat)})
+
+    worker = MegatronActorWorker(cfg, rank, world_size)
+    worker.init_model(hf_dir=hf_dir)
+    sync = worker._sync_state()
+    sync.transport = "gloo"
+    if sync.is_stage_sender:
+        sync.sender = Recorder([], stage=worker.pp_rank)
+    report = worker.send_weights(0, BUCKET_BYTES)
+    sync.sender = sync.transport = None
+    worker.write_hf_checkpoint(out_dir)
+    return {"coords": (worker.pp_rank, worker.dp_rank, worker.tp_rank), "streams": worker.streams_hf_weights,
+            "report": report, "sent": dict(Recorder.sent)}
+
+
+def test_actor_weight_sync_and_hf_checkpoint_at_pp2_ep2(tmp_path):
+    hf_dir = str(tiny_checkpoint(NAME))
+    results = run_distributed(_actor_worker, 4, hf_dir, str(tmp_path / "hf"), timeout=300)
+    reader = HFCheckpointReader(hf_dir)
+    assert all(r["streams"] for r in results)  # DP2 = EP2: both replicas hold experts, both take part
+    senders = [r for r in results if r["sent"]]
+    assert sorted(r["coords"] for r in senders) == [(0, 0, 0), (1, 0, 0)]
+    sent = {name: t for r in senders for name, t in r["sent"].items()}
+    assert sorted(sent) == sorted(reader.names())
+    for name in reader.names():
+        assert torch.equal(sent[name], reader.read(name)), name
+    assert sum(r["report"].get("tensors", 0) for r in results) == len(reader.names())
+    written = HFCheckpointReader(tmp_path / "hf")
+    assert sorted(written.names()) == sorted(reader.names())
+    for name in reader.names():
+        assert torch.equal(written.read(name), reader.read(name)), name
