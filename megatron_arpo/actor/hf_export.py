@@ -3,8 +3,9 @@
 Every rank of data-parallel replica 0 iterates ``megatron_arpo.actor.hf_live.export_hf_weights`` (TP gather, PP walk);
 global rank 0 streams each tensor into pre-declared safetensors shards (``megatron_arpo.hf.checkpoint_io``), then writes
 ``config.json`` (from the model config), ``generation_config.json`` and the tokenizer files of the source
-checkpoint. The directory appears atomically (temporary sibling, rename). Other DP replicas only wait at
-the final barrier.
+checkpoint. The directory appears atomically (temporary sibling, rename). With expert parallelism the
+replicas holding the other experts iterate too (``worker.streams_hf_weights``). Other DP replicas only
+wait at the final barrier.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def write_hf_checkpoint(worker, out_dir: str | os.PathLike, *, bucket_bytes: int
     out = Path(out_dir)
     writer_rank = dist.get_rank() == 0
     result = None
-    if worker.dp_rank == 0:
+    if worker.streams_hf_weights:
         dtype = worker.params_dtype
         if writer_rank:
             with atomic_output_dir(out, overwrite) as tmp:

@@ -13,7 +13,9 @@ pipeline stages (several chunks per rank) are not supported yet and are rejected
   layers, about ``bucket_bytes`` each, the tensors back to back in one flat byte buffer): each tensor's
   TP shards are gathered (on one TP rank, the weight-sync sender, or on all), turned into HF tensors by
   the table (vocab trimmed, no ``lm_head`` when tied) and copied into the bucket. The weight sync sends
-  these buckets to the rollout engines (megatron_arpo.weight_sync.senders).
+  these buckets to the rollout engines (megatron_arpo.weight_sync.senders). With expert parallelism the
+  experts of a layer are gathered over the EP group onto EP rank 0, whose sender sends the whole layer
+  (not yet: each EP rank sending its own experts).
 - :func:`export_hf_buckets` / :func:`export_hf_weights` give the whole model on every rank of the TP x
   PP grid, in lockstep and in the same order: the owning stage broadcasts each packed bucket to the
   other stages (metadata with every bucket: nothing is cached across calls). HF checkpoint writing and
@@ -228,7 +230,7 @@ def max_bucket_bytes(cfg: ModelConfig, pp_size: int, dtype: torch.dtype, bucket_
 def stage_hf_buckets(models, cfg: ModelConfig, bucket_bytes: int, *, tp_group, pp_rank: int, pp_size: int,
                      dst: int | None = None, dtype: torch.dtype | None = None,
                      aliases: Mapping[str, Sequence[str]] = MappingProxyType({}), buffer: torch.Tensor | None = None,
-                     pool: BufferPool | None = None
+                     pool: BufferPool | None = None, ep_group=None
                      ) -> Iterator[tuple[torch.Tensor, list[tuple[str, torch.Tensor]]] | None]:
     """This pipeline stage's HF tensors, one packed bucket at a time (collective over the TP group).
 
@@ -243,21 +245,26 @@ def stage_hf_buckets(models, cfg: ModelConfig, bucket_bytes: int, *, tp_group, p
     ``GATHERS_IN_FLIGHT`` tensors are posted before a tensor is waited for and copied. Memory on a
     receiving rank: the bucket plus the pieces of the tensors in flight (row shards and fused q/k/v, which
     cannot be gathered in place) and one full tensor while unsharding.
+
+    Expert parallelism (``ep_group``: the EP group of this rank, whose TP group must also be its expert-TP
+    group): the experts of a layer are gathered onto EP rank 0, which builds the buckets (see
+    `_gather_expert`). With a ``dst`` only TP rank ``dst`` of EP rank 0 receives; the ranks of the other
+    EP ranks (the other data-parallel replicas of the stage) must iterate too: they gather their own
+    experts and send them over, yielding ``None``. With ``dst=None`` every rank of the EP group gets
+    every bucket.
     """
     tp_size = torch.distributed.get_world_size(tp_group)
-    receiving = dst is None or torch.distributed.get_rank(tp_group) == dst
-    params = stage_parameters(models, cfg, pp_rank, pp_size)
+    ep_size = 1 if ep_group is None else torch.distributed.get_world_size(ep_group)
+    ep_rank = 0 if ep_group is None else torch.distributed.get_rank(ep_group)
+    receiving = dst is None or (torch.distributed.get_rank(tp_group) == dst and ep_rank == 0)
+    params = stage_parameters(models, cfg, pp_rank, pp_size, ep_rank, ep_size)
     rules = [r for r in mapping.rules_for_stage(mapping.bind_table(cfg), cfg, pp_rank, pp_size) if r.hf_outputs]
     if not rules:
         return
-    absent_experts = [r.megatron for r in rules if r.expert is not None and r.megatron not in params]
-    if absent_experts:
-        raise NotImplementedError(
-            f"{cfg.name}: this rank holds only some of the experts ({len(absent_experts)} expert tensors of stage "
-            f"{pp_rank} live on other expert-parallel ranks); streaming HF weights (weight sync, HF export) from an "
-            f"actor with actor.expert_parallel > 1 is not implemented yet: set actor.expert_parallel: 1")
-    dtype = dtype or params[rules[0].megatron].dtype
-    device = params[rules[0].megatron].device
+    _check_expert_params(rules, params, cfg, tp_size, ep_size, pp_rank)
+    some = next(params[r.megatron] for r in rules if r.megatron in params)
+    dtype = dtype or some.dtype
+    device = some.device
     for bucket in plan_stage_buckets(rules, cfg, dtype, bucket_bytes, aliases):
         layout = _bucket_layout(bucket, cfg, dtype, aliases)
         nbytes = layout.nbytes
@@ -276,9 +283,18 @@ def stage_hf_buckets(models, cfg: ModelConfig, bucket_bytes: int, *, tp_group, p
         in_flight: collections.deque = collections.deque()  # (rule, wait) of the gathers posted, in order
         for index, rule in enumerate(bucket + [None] * GATHERS_IN_FLIGHT):
             if rule is not None:
-                param = params[rule.megatron]
-                out = _in_bucket(rule, views, param, cfg, tp_size) if receiving else None
-                in_flight.append((rule, _gather_full(rule, param, tp_group, tp_size, dst, out, tag=2 * index)))
+                owner = mapping.expert_rank(rule, cfg, ep_size) if ep_size > 1 else None
+                param = params.get(rule.megatron)
+                like = param if param is not None else _stand_in(rule, cfg, tp_size, some.dtype)
+                out = _in_bucket(rule, views, like, cfg, tp_size) if receiving else None
+                if owner is not None:
+                    wait = _gather_expert(rule, param, like, cfg, tp_group, tp_size, dst, out, index, ep_group,
+                                          owner, device)
+                elif ep_rank != 0 and dst is not None:
+                    wait = _nothing  # another replica's rank: only its experts are asked of it
+                else:
+                    wait = _gather_full(rule, param, tp_group, tp_size, dst, out, tag=2 * index)
+                in_flight.append((rule, wait))
             if len(in_flight) <= GATHERS_IN_FLIGHT and rule is not None:
                 continue
             if not in_flight:
@@ -293,6 +309,82 @@ def stage_hf_buckets(models, cfg: ModelConfig, bucket_bytes: int, *, tp_group, p
                         views[target].copy_(tensor)
             del full, tensor
         yield (flat, named) if receiving else None
+
+
+def _nothing() -> None:
+    return None
+
+
+def _check_expert_params(rules: Sequence[mapping.BoundRule], params: Mapping[str, torch.Tensor], cfg: ModelConfig,
+                         tp_size: int, ep_size: int, pp_rank: int) -> None:
+    """Every expert tensor is here, or on another rank of the EP group; expert shards split as TP shards."""
+    for rule in rules:
+        if rule.expert is None:
+            continue
+        param = params.get(rule.megatron)
+        if param is None and ep_size == 1:
+            raise ValueError(
+                f"{cfg.name}: stage {pp_rank} of this rank holds only some of the experts ({rule.megatron} is "
+                f"absent): the model has expert parallelism, pass its expert-parallel group (ep_group)")
+        if param is not None and tuple(param.shape) != rule.shard_shape(cfg, tp_size):
+            raise NotImplementedError(
+                f"{cfg.name}: expert tensor {rule.megatron} has shape {list(param.shape)}, not the tensor-parallel "
+                f"shard {list(rule.shard_shape(cfg, tp_size))}: streaming HF weights needs "
+                f"actor.expert_tensor_parallel equal to actor.tensor_parallel (or null)")
+
+
+def _stand_in(rule: mapping.BoundRule, cfg: ModelConfig, tp_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """Shape and dtype of a TP shard of ``rule`` that lives on another EP rank (no memory: the meta device)."""
+    return torch.empty(rule.shard_shape(cfg, tp_size), dtype=dtype, device="meta")
+
+
+def _gather_expert(rule: mapping.BoundRule, param: torch.Tensor | None, like: torch.Tensor, cfg: ModelConfig,
+                   tp_group, tp_size: int, dst: int | None, out: torch.Tensor | None, index: int, ep_group,
+                   owner: int, device: torch.device) -> Callable[[], torch.Tensor | None]:
+    """Start bringing one expert tensor to EP rank 0 (``dst`` given) or to every EP rank; returns the wait.
+
+    The owning EP rank (``owner``) gathers its TP shards as `_gather_full` does (onto TP rank ``dst``, or
+    on every TP rank), then the full tensor crosses the EP group: with a ``dst``, point to point from the
+    owner's TP rank ``dst`` to EP rank 0's (the receive is posted at once, into the bucket when the tensor
+    lands there whole); without, broadcast from the owner. The broadcast runs inside the wait, which
+    every rank calls in bucket order, so the EP group's collectives keep one order on all its ranks.
+    """
+    ep_rank = torch.distributed.get_rank(ep_group)
+    tp_rank = torch.distributed.get_rank(tp_group)
+    if dst is not None and tp_rank != dst:
+        if ep_rank == owner:  # contributes its shard to TP rank dst of its EP rank
+            return _gather_full(rule, param, tp_group, tp_size, dst, None, tag=2 * index)
+        return _nothing
+    shape = rule.megatron_shape(cfg, tp_size)
+    if ep_rank == owner:
+        gathered = _gather_full(rule, param, tp_group, tp_size, dst, out, tag=2 * index)
+        if owner == 0 and dst is not None:
+            return gathered  # EP rank 0 builds the bucket: nothing crosses the EP group
+        if dst is not None:
+            def send() -> None:
+                torch.distributed.send(gathered().contiguous(), group=ep_group, group_dst=0, tag=index)
+            return send
+
+        def share() -> torch.Tensor:
+            full = gathered().contiguous()
+            torch.distributed.broadcast(full, group=ep_group, group_src=owner)
+            return full
+        return share
+    full = out if out is not None else torch.empty(shape, dtype=like.dtype, device=device)
+    if dst is not None:
+        if ep_rank != 0:
+            return _nothing  # neither the owner nor the receiver of this expert
+        work = torch.distributed.irecv(full, group=ep_group, group_src=owner, tag=index)
+
+        def received() -> torch.Tensor:
+            work.wait()
+            return full
+        return received
+
+    def shared() -> torch.Tensor:
+        torch.distributed.broadcast(full, group=ep_group, group_src=owner)
+        return full
+    return shared
 
 
 IN_PLACE_RULES = (mapping.Copy, mapping.FusedGateUp, mapping.VocabEmbedding)
@@ -354,17 +446,22 @@ def _broadcast_bucket(bucket: tuple[torch.Tensor, list] | None, src: int, group,
 
 def export_hf_buckets(models, model_cfg: ModelConfig, bucket_bytes: int = DEFAULT_BUCKET_BYTES, *,
                       tp_group=None, pp_group=None, dtype: torch.dtype | None = None,
-                      aliases: Mapping[str, Sequence[str]] = MappingProxyType({}), buffer: torch.Tensor | None = None
-                      ) -> Iterator[tuple[torch.Tensor, list[tuple[str, torch.Tensor]]]]:
+                      aliases: Mapping[str, Sequence[str]] = MappingProxyType({}), buffer: torch.Tensor | None = None,
+                      ep_group=None) -> Iterator[tuple[torch.Tensor, list[tuple[str, torch.Tensor]]]]:
     """The whole model's HF tensors as packed buckets ``(flat, [(hf_name, view)])`` on every rank.
 
     Collective: every rank of the TP x PP grid iterates in lockstep and gets the same sequence. Stage
     by stage, the owning stage builds each bucket (`stage_hf_buckets`, gathered on every TP rank) and
-    broadcasts it to the other stages. Groups default to Megatron's parallel state.
+    broadcasts it to the other stages. Groups default to Megatron's parallel state. With expert
+    parallelism the ranks of every EP group iterate (the data-parallel replicas that hold the other
+    experts too), and all of them get every bucket.
     """
     # deferred: pulls in megatron-core (heavy; this module imports without it)
     from megatron.core import parallel_state
 
+    if ep_group is None and tp_group is None and model_cfg.is_moe \
+            and parallel_state.get_expert_model_parallel_world_size() > 1:
+        ep_group = parallel_state.get_expert_model_parallel_group()
     tp_group = tp_group if tp_group is not None else parallel_state.get_tensor_model_parallel_group()
     pp_group = pp_group if pp_group is not None else parallel_state.get_pipeline_model_parallel_group()
     pp_size = torch.distributed.get_world_size(pp_group)
@@ -373,7 +470,8 @@ def export_hf_buckets(models, model_cfg: ModelConfig, bucket_bytes: int = DEFAUL
     for stage in range(pp_size):
         if stage == pp_rank:
             for bucket in stage_hf_buckets(models, model_cfg, bucket_bytes, tp_group=tp_group, pp_rank=stage,
-                                           pp_size=pp_size, dtype=dtype, aliases=aliases, buffer=buffer):
+                                           pp_size=pp_size, dtype=dtype, aliases=aliases, buffer=buffer,
+                                           ep_group=ep_group):
                 yield _broadcast_bucket(bucket, pp_ranks[stage], pp_group) if pp_size > 1 else bucket
             if pp_size > 1:
                 _broadcast_bucket(None, pp_ranks[stage], pp_group)  # end of stage
@@ -383,7 +481,7 @@ def export_hf_buckets(models, model_cfg: ModelConfig, bucket_bytes: int = DEFAUL
 
 
 def export_hf_weights(models, model_cfg: ModelConfig, bucket_bytes: int = DEFAULT_BUCKET_BYTES, *,
-                      tp_group=None, pp_group=None, dtype: torch.dtype | None = None
+                      tp_group=None, pp_group=None, dtype: torch.dtype | None = None, ep_group=None
                       ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, full tensor)`` for the whole model on every rank (collective: all ranks iterate).
 
@@ -391,5 +489,5 @@ def export_hf_weights(models, model_cfg: ModelConfig, bucket_bytes: int = DEFAUL
     the next bucket. Memory per rank: about one bucket plus the largest tensor twice.
     """
     for _, named in export_hf_buckets(models, model_cfg, bucket_bytes, tp_group=tp_group, pp_group=pp_group,
-                                      dtype=dtype):
+                                      dtype=dtype, ep_group=ep_group):
         yield from named

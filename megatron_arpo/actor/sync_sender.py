@@ -11,7 +11,9 @@
 3. ``send(sync_id, ...)`` (every sync). ``gloo``/``nccl``: stage after stage (the engines take one sender
    at a time; two stages sending to the same engines at once could deadlock their broadcasts), the stage's
    TP ranks gather each bucket's shards on the sender (``megatron_arpo.actor.hf_live.stage_hf_buckets``: mapped through
-   the conversion tables into one packed buffer), which sends it. With gloo (host memory) the sender
+   the conversion tables into one packed buffer), which sends it. With expert parallelism the replicas
+   holding the other experts take part too: their ranks gather their experts and send them to the
+   sender over the EP group (the sender sends every expert of a layer). With gloo (host memory) the sender
    packs into two buffers (`BufferPool`: bucket k travels from one while k+1 is packed into the other;
    a much larger bucket waits for the other one instead of growing the free one, so the two hold about
    the largest bucket and the second largest) that it keeps across syncs, as verl and slime keep their
@@ -106,16 +108,20 @@ class ActorSync:
         from megatron.core import parallel_state
 
         w = self.worker
-        if w.dp_rank != 0:
+        if not w.streams_hf_weights:
             return {}
+        # The ranks of the stream: replica 0's TP x PP grid, and with expert parallelism the replicas that
+        # hold the other experts (the EP x TP x PP grid of expert-data-parallel rank 0).
+        ranks = parallel_state.get_model_parallel_group() if w.parallel.ep == 1 \
+            else parallel_state.get_expert_tensor_model_pipeline_parallel_group()
         report: dict = {}
         failure: Optional[BaseException] = None
         for stage in range(w.pp):
             if stage == w.pp_rank:
                 failure, report = self._stream_stage(sync_id, bucket_bytes, verify_fraction)
-            # Every rank of the replica learns whether this stage failed (this also orders the stages: the
+            # Every rank of the stream learns whether this stage failed (this also orders the stages: the
             # next one starts when this one is done). After a failure no later stage sends or gathers.
-            if _any_rank(failure is not None, parallel_state.get_model_parallel_group()):
+            if _any_rank(failure is not None, ranks):
                 break
         if failure is not None:
             raise failure
@@ -144,7 +150,9 @@ class ActorSync:
                 handed_out = dict(pool.stats)
         for bucket in stage_hf_buckets(w.model, w.model_cfg, bucket_bytes,
                                        tp_group=parallel_state.get_tensor_model_parallel_group(),
-                                       pp_rank=w.pp_rank, pp_size=w.pp, dst=0, aliases=self.aliases, pool=pool):
+                                       pp_rank=w.pp_rank, pp_size=w.pp, dst=0, aliases=self.aliases, pool=pool,
+                                       ep_group=parallel_state.get_expert_model_parallel_group()
+                                       if w.parallel.ep > 1 else None):
             if bucket is not None and failure is None:
                 try:
                     self.sender.send(*bucket, verify_fraction=verify_fraction)

@@ -215,6 +215,25 @@ class MegatronActorWorker:
         return parallel_state.get_data_parallel_rank()
 
     @property
+    def streams_hf_weights(self) -> bool:
+        """Whether this rank takes part in the HF weight stream (HF export, weight sync to gloo/nccl engines).
+
+        Data-parallel replica 0, and with expert parallelism the replicas that hold the other experts
+        (expert-data-parallel rank 0: their experts are gathered onto replica 0, ``hf_live.stage_hf_buckets``).
+        """
+        # deferred: pulls in megatron-core (heavy; this module imports without it)
+        from megatron.core import parallel_state
+
+        if self.parallel.ep == 1:
+            return self.dp_rank == 0
+        if self.parallel.expert_tp != self.tp:
+            raise NotImplementedError(
+                f"streaming HF weights (weight sync, HF export) with actor.expert_parallel {self.parallel.ep} needs "
+                f"the experts split like the other layers: set actor.expert_tensor_parallel to "
+                f"actor.tensor_parallel ({self.tp}) or null, not {self.parallel.expert_tp}")
+        return parallel_state.get_expert_data_parallel_rank() == 0
+
+    @property
     def is_last_stage(self) -> bool:
         # deferred: pulls in megatron-core (heavy; this module imports without it)
         from megatron.core import parallel_state

@@ -3,8 +3,9 @@
 Each rank builds its Megatron stage with EP (all-to-all token dispatcher over gloo, the local spec's
 sequential experts), loads its experts from the HF checkpoint, and runs a forward pass; the logits match
 transformers' Qwen3MoeForCausalLM. The ranks' live parameters, put together by the mapping table
-(``megatron_states_to_hf``, EP-local expert indices), give back the HF tensors bit for bit, and a swap
-of two experts on one rank is caught by both checks.
+(``megatron_states_to_hf``, EP-local expert indices), give back the HF tensors bit for bit, and so does
+the HF stream at EP2 (``export_hf_weights`` on every rank, and ``stage_hf_buckets`` onto each stage's
+weight-sync sender); a swap of two experts on one rank is caught by every check.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from megatron_arpo.model_config import load_model_config
 from megatron_arpo.tiny.checkpoint import tiny_checkpoint
 
 NAME = "tiny-qwen3-moe"
+BUCKET_BYTES = 64 * 2**10
 TOKENS = torch.tensor([[1, 5, 17, 300, 999, 42, 7, 8], [3, 4, 900, 12, 13, 14, 15, 16]])
 
 
@@ -26,7 +28,7 @@ def _ep_worker(rank: int, world_size: int, hf_dir: str, tp: int, pp: int, ep: in
     from megatron.core import parallel_state as ps
 
     from conversion.parity import hf_logits, megatron_logits
-    from megatron_arpo.actor.hf_live import load_hf_into_megatron
+    from megatron_arpo.actor.hf_live import export_hf_weights, load_hf_into_megatron, stage_hf_buckets
     from megatron_arpo.actor.model_builder import build_gpt_model, initialize_model_parallel
 
     cfg = load_model_config(NAME)
@@ -48,8 +50,15 @@ def _ep_worker(rank: int, world_size: int, hf_dir: str, tp: int, pp: int, ep: in
     logits = megatron_logits(model, cfg, TOKENS)
     diff = None if logits is None else (logits - hf_logits(hf_dir, TOKENS)).abs().max().item()
     state = {name: p.detach().clone() for name, p in model.named_parameters()}
-    return {"key": (pp_rank, tp_rank, ep_rank), "max_abs_diff": diff, "state": state,
-            "num_local_experts": len(model.decoder.layers[0].mlp.experts.local_experts)}
+    # The HF stream at EP2, small buckets (several per stage): the export path (every rank gets the whole
+    # model) and the weight-sync path (the experts gathered onto TP rank 0 of EP rank 0, the others help).
+    exported = {name: t.clone() for name, t in export_hf_weights(model, cfg, BUCKET_BYTES)}
+    synced = {}
+    for bucket in stage_hf_buckets(model, cfg, BUCKET_BYTES, tp_group=ps.get_tensor_model_parallel_group(),
+                                   pp_rank=pp_rank, pp_size=pp, dst=0, ep_group=ps.get_expert_model_parallel_group()):
+        synced.update({name: t.clone() for name, t in bucket[1]} if bucket is not None else {})
+    return {"key": (pp_rank, tp_rank, ep_rank), "max_abs_diff": diff, "state": state, "exported": exported,
+            "synced": synced, "num_local_experts": len(model.decoder.layers[0].mlp.experts.local_experts)}
 
 
 @pytest.mark.parametrize(("tp", "pp", "ep"), [(2, 1, 2), (1, 2, 2)])
@@ -68,6 +77,18 @@ def test_expert_parallel_logits_and_bit_exact_round_trip(tp, pp, ep):
     assert sorted(back) == sorted(reader.names())
     for name in reader.names():
         assert torch.equal(back[name], reader.read(name)), name
+    # HF stream: every rank exports the whole model, bit for bit; each stage's sync sender (EP 0, TP 0)
+    # gets that stage's tensors, all experts included, and no other rank gets any
+    for r in results:
+        assert sorted(r["exported"]) == sorted(reader.names())
+        for name in reader.names():
+            assert torch.equal(r["exported"][name], reader.read(name)), (r["key"], name)
+    senders = [r for r in results if r["synced"]]
+    assert sorted({r["key"] for r in senders}) == [(p, 0, 0) for p in range(pp)]
+    synced = {name: t for r in senders for name, t in r["synced"].items()}
+    assert sorted(synced) == sorted(reader.names())
+    for name in reader.names():
+        assert torch.equal(synced[name], reader.read(name)), name
 
 
 def test_swapped_experts_fail_parity_and_round_trip():
@@ -78,5 +99,62 @@ def test_swapped_experts_fail_parity_and_round_trip():
     states = {r["key"]: r["state"] for r in results}
     back = mapping.megatron_states_to_hf(states, cfg, 2, 1, 2)
     reader = HFCheckpointReader(hf_dir)
-    assert not torch.equal(back["model.layers.0.mlp.experts.2.gate_proj.weight"],
-                           reader.read("model.layers.0.mlp.experts.2.gate_proj.weight"))
+    name = "model.layers.0.mlp.experts.2.gate_proj.weight"
+    assert not torch.equal(back[name], reader.read(name))
+    # the HF stream carries the swap too: EP rank 1's experts 2 and 3 trade places in the export and the sync
+    synced = next(r["synced"] for r in results if r["synced"])
+    for r in results:
+        assert torch.equal(r["exported"][name], reader.read(name.replace(".2.", ".3.")))
+    assert torch.equal(synced[name], reader.read(name.replace(".2.", ".3.")))
+    assert not torch.equal(synced[name], reader.read(name))
+
+
+def _actor_worker(rank: int, world_size: int, hf_dir: str, out_dir: str) -> dict:
+    """The actor worker at PP2 x EP2 (DP2 per stage): its weight-sync send path and its HF checkpoint."""
+    from megatron_arpo.actor.worker import MegatronActorWorker
+    from megatron_arpo.config import build_config
+    from megatron_arpo.weight_sync.senders.base import StageSender
+
+    cfg = build_config({
+        "model": {"config": NAME}, "tools": {"search": {"enabled": False}},
+        "data": {"max_prompt_tokens": 8},
+        "rollout": {"response_length": 16, "n": 2, "initial_rollouts": 2, "entropy_window": 8},
+        "trainer": {"train_batch_size": 4, "keep_last": 2},
+        "actor": {"pipeline_parallel": 2, "expert_parallel": 2, "params_dtype": "fp32", "micro_batch_tokens": 64,
+                  "mini_batch_size": 2}})
+
+    class Recorder(StageSender):  # the transport's place: keeps what the stage sender would put on the wire
+        sent: dict = {}
+
+        def _transfer(self, flat, layout, info, what):
+            self.sent.update({name: t.clone() for name, t in layout.views(flat)})
+
+    worker = MegatronActorWorker(cfg, rank, world_size)
+    worker.init_model(hf_dir=hf_dir)
+    sync = worker._sync_state()
+    sync.transport = "gloo"
+    if sync.is_stage_sender:
+        sync.sender = Recorder([], stage=worker.pp_rank)
+    report = worker.send_weights(0, BUCKET_BYTES)
+    sync.sender = sync.transport = None
+    worker.write_hf_checkpoint(out_dir)
+    return {"coords": (worker.pp_rank, worker.dp_rank, worker.tp_rank), "streams": worker.streams_hf_weights,
+            "report": report, "sent": dict(Recorder.sent)}
+
+
+def test_actor_weight_sync_and_hf_checkpoint_at_pp2_ep2(tmp_path):
+    hf_dir = str(tiny_checkpoint(NAME))
+    results = run_distributed(_actor_worker, 4, hf_dir, str(tmp_path / "hf"), timeout=300)
+    reader = HFCheckpointReader(hf_dir)
+    assert all(r["streams"] for r in results)  # DP2 = EP2: both replicas hold experts, both take part
+    senders = [r for r in results if r["sent"]]
+    assert sorted(r["coords"] for r in senders) == [(0, 0, 0), (1, 0, 0)]
+    sent = {name: t for r in senders for name, t in r["sent"].items()}
+    assert sorted(sent) == sorted(reader.names())
+    for name in reader.names():
+        assert torch.equal(sent[name], reader.read(name)), name
+    assert sum(r["report"].get("tensors", 0) for r in results) == len(reader.names())
+    written = HFCheckpointReader(tmp_path / "hf")
+    assert sorted(written.names()) == sorted(reader.names())
+    for name in reader.names():
+        assert torch.equal(written.read(name), reader.read(name)), name
