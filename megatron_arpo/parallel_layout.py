@@ -186,6 +186,11 @@ def layout_errors(cfg: ExperimentConfigLike, model: ModelConfigLike) -> list[str
     tp, pp = a.tensor_parallel, a.pipeline_parallel
     errors = model_layout_errors(model, tp, pp, a.sequence_parallel, expert_parallel=a.expert_parallel,
                                  expert_tensor_parallel=a.expert_tensor_parallel)
+    if a.expert_parallel > 1 and a.expert_tensor_parallel not in (None, tp):
+        errors.append(f"actor.expert_tensor_parallel: {a.expert_tensor_parallel} with actor.expert_parallel "
+                      f"{a.expert_parallel}: the weight sync and the HF export stream the experts only when they "
+                      f"are split like the dense layers (docs/moe.md); set actor.expert_tensor_parallel: null "
+                      f"(= actor.tensor_parallel {tp})")
     errors += engine_tp_errors(model, r.tensor_parallel)
     devices = _total_devices(cfg)
     if t.placement == "separate":

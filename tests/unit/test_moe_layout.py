@@ -35,6 +35,10 @@ def test_expert_parallel_reaches_the_layout_and_the_worker_world():
      "2 x 1 = 2; valid values with these sizes: [1, 2]"),
     ({"expert_tensor_parallel": 3}, "actor.expert_tensor_parallel: 3 does not divide tiny-qwen3-moe "
                                     "moe_intermediate_size 128"),
+    ({"tensor_parallel": 2, "data_parallel": 2, "expert_parallel": 2, "expert_tensor_parallel": 1},
+     "actor.expert_tensor_parallel: 1 with actor.expert_parallel 2: the weight sync and the HF export stream the "
+     "experts only when they are split like the dense layers (docs/moe.md); set actor.expert_tensor_parallel: null "
+     "(= actor.tensor_parallel 2)"),
 ])
 def test_bad_expert_layouts_are_refused_naming_valid_values(actor, expected):
     with pytest.raises(ConfigError) as info:
