@@ -237,17 +237,20 @@ class OffPolicyLoop:
         return rt.run_async(both(), timeout, "the actor's step (with the engines generating)", timeout_key)
 
     # ------------------------------------------------------------------ engine deaths
-    async def restart_dead_engines(self, exc: BaseException, sync: bool = True) -> None:
-        """Replace the engines that died (``exc`` named one of them) and, with ``sync``, give every engine the
-        current weights and version; raises the clear error once ``rollout.max_engine_restarts`` is spent."""
+    async def restart_dead_engines(self, exc: Optional[BaseException], sync: bool = True) -> None:
+        """Replace the engines that died (``exc``, when given, named one of them; the others are probed) and,
+        with ``sync``, give every engine the current weights and version; raises the clear error once
+        ``rollout.max_engine_restarts`` is spent."""
         rt = self.rt
         dead = await find_dead_engines(rt.group.engines, exc)
         if not dead:
-            # raised by an engine actor but every engine answers: not a death this loop can mend
-            raise exc
+            if exc is not None:  # raised by an engine actor but every engine answers: not a death to mend here
+                raise exc
+            return
+        cause = _first_line(exc) if exc is not None else "its health call failed"
         if self.restart_engine is None or self.restarts + len(dead) > self.max_restarts:
             raise RuntimeError(
-                f"vLLM engine {', '.join(map(str, dead))} died ({_first_line(exc)}) after {self.restarts} engine "
+                f"vLLM engine {', '.join(map(str, dead))} died ({cause}) after {self.restarts} engine "
                 f"restart(s) this run; rollout.max_engine_restarts={self.max_restarts} allows no more. Its log is in "
                 "the Ray session dir (logs/worker-*.err); raise rollout.max_engine_restarts or resume the run") from exc
         for index in dead:
@@ -261,10 +264,10 @@ class OffPolicyLoop:
 
     def check_engines(self) -> None:
         """After the update, before the step's sync: replace an engine that died while the actor trained
-        (the step's sync, next, gives it the weights)."""
-        if self.dead is not None:
-            self.rt.run_async(self.restart_dead_engines(self.dead, sync=False), self.rt.cfg.trainer.timeouts.startup_s,
-                              "the restart of a dead vLLM engine", "trainer.timeouts.startup_s")
+        (seen by a call, or found by a ``health`` probe when it died between calls); the step's sync, next,
+        gives it the weights."""
+        self.rt.run_async(self.restart_dead_engines(self.dead, sync=False), self.rt.cfg.trainer.timeouts.startup_s,
+                          "the check (and restart) of the vLLM engines", "trainer.timeouts.startup_s")
 
     # ------------------------------------------------------------------ metrics, checkpoint
     def metrics(self, trajectories: list, weight_stats: dict[str, float]) -> dict[str, float]:
@@ -342,7 +345,7 @@ def is_engine_death(exc: BaseException) -> bool:
     return isinstance(exc, RayActorError)
 
 
-async def find_dead_engines(engines: Sequence[Any], exc: BaseException, probe_s: float = 30.0) -> list[int]:
+async def find_dead_engines(engines: Sequence[Any], exc: Optional[BaseException], probe_s: float = 30.0) -> list[int]:
     """Indices of the dead engines: the one ``exc`` names by actor id, and any whose ``health`` call fails
     with an actor error (a death without an id, or more than one)."""
     named = getattr(exc, "actor_id", None)

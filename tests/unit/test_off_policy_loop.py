@@ -296,3 +296,14 @@ def test_engine_deaths_beyond_max_engine_restarts_stop_the_run_naming_the_key(tm
     with pytest.raises(RuntimeError, match=r"vLLM engine 1 died .*rollout.max_engine_restarts=0 allows no more"):
         rt.off_policy.take_batch(1)
     assert restarted == [] and rt.off_policy.buffer.counters["dropped_in_flight"] == BATCH
+
+
+def test_an_engine_that_died_between_calls_is_found_by_its_health_probe_before_the_sync(tmp_path):
+    rt = make_runtime(tmp_path, max_staleness=0, num_engines=2)
+    restarted = with_dying_engine(rt, "never")
+    one_step(rt, 1)
+    rt.off_policy.check_engines()  # every engine answers: nothing to do
+    assert restarted == []
+    rt.group.engines[1].target.dead = True  # killed while no call ran (no call saw it)
+    rt.off_policy.check_engines()
+    assert restarted == [1] and rt.off_policy.restarts == 1
