@@ -12,9 +12,10 @@ from __future__ import annotations
 import os
 import signal
 
+import psutil
 import pytest
 
-from test_train_resume import _wait_gone, remove_ray_temp_dir, session_processes, start
+from test_train_resume import start
 from train_helpers import log_tail, read_rows, train_command, train_env, wait_for, write_task
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -26,25 +27,36 @@ OVERRIDES = (f"trainer.total_steps={TOTAL_STEPS}", f"trainer.save_every={TOTAL_S
              "trainer.mode=off_policy", "rollout.max_staleness=1")
 
 
-def test_a_killed_engine_is_replaced_and_the_off_policy_run_finishes(tmp_path):
+def engine_processes(cluster) -> list[psutil.Process]:
+    """The cluster's vLLM engine actor processes (workers under its raylets)."""
+    found = []
+    for node in cluster.procs:
+        try:
+            found += [p for p in psutil.Process(node.pid).children(recursive=True)
+                      if "VllmEngine" in " ".join(p.cmdline())]
+        except psutil.Error:
+            continue
+    return found
+
+
+def test_a_killed_engine_is_replaced_and_the_off_policy_run_finishes(_ray_two_node_cluster, tmp_path):
     from megatron_arpo.tiny.checkpoint import tiny_checkpoint
 
     data = write_task(tmp_path)
     run_dir = tmp_path / "run"
     log = tmp_path / "run.log"
     proc = start(train_command(str(tiny_checkpoint("tiny-qwen3")), data, run_dir, *OVERRIDES, resume="none"),
-                 train_env(data), log)  # a private local Ray: the run's processes are its session's
+                 train_env(data, _ray_two_node_cluster.address), log)
     try:
         wait_for(lambda: len(read_rows(run_dir)) >= 1, 600, proc, log, "step 1")
-        engines = [p for p in session_processes(proc.pid) if "VllmEngine" in " ".join(p.cmdline())]
-        assert len(engines) == 1, [" ".join(p.cmdline()) for p in session_processes(proc.pid)]
+        engines = engine_processes(_ray_two_node_cluster)
+        assert len(engines) == 1, [" ".join(p.cmdline()) for p in engines]
         engines[0].kill()
         code = proc.wait(timeout=600)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=60)
-            remove_ray_temp_dir(log)
     text = log_tail(log, 10**7)
     assert code == 0, "\n".join(text.splitlines()[-40:])
     assert "off-policy: restarting vLLM engine 0 (restart 1 of at most 3)" in text
@@ -52,4 +64,3 @@ def test_a_killed_engine_is_replaced_and_the_off_policy_run_finishes(tmp_path):
     rows = read_rows(run_dir)
     assert [r["step"] for r in rows] == list(range(1, TOTAL_STEPS + 1))
     assert rows[0]["offpolicy/engine_restarts_total"] == 0.0 and rows[-1]["offpolicy/engine_restarts_total"] == 1.0
-    assert _wait_gone(proc.pid)
