@@ -88,6 +88,8 @@ def train(cfg, resume: str = "auto", replay_dir: str | None = None) -> int:
                 rt.phases.weights_stale = True
                 sync, val = {}, {}
                 if not stop.requested:  # stopping: the engines restart from the checkpoint anyway
+                    if offp is not None:
+                        offp.check_engines()  # an engine that died during the update (or between calls): replaced, synced below
                     with timer("sync"):  # offload, wake the weights, sync, wake the KV cache (trainer/phases.py)
                         sync = phases.switch_phase(rt, "rollout")
                     if rt.val is not None and t.val_every and checkpointing.is_due(step, t.val_every, rt.total_steps):

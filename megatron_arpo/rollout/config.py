@@ -58,5 +58,6 @@ class RolloutSection:
                      "for separate GPU pools")
     max_staleness: int = setting(1, ge=0, help="trainer.mode: off_policy: a trained token was sampled at most this many policy versions (updates) before the update that trains it; older groups are dropped and counted (0 = on-policy, no overlap)")
     buffer_groups: Optional[int] = setting(None, ge=1, help="trainer.mode: off_policy: prompt groups (whole trees) the rollout buffer holds; null = (max_staleness + 1) x trainer.train_batch_size; at least one batch")
+    max_engine_restarts: int = setting(3, ge=0, help="trainer.mode: off_policy: engine actors that die mid-generation are replaced (same placement, current weights) at most this many times per run; their in-flight groups are counted and regenerated. Beyond it the run stops (0: stop at the first death, as sync mode does)")
     enable_sleep_mode: bool = setting(False, help="colocated: vLLM sleeps while the actor trains (CUDA; on CPU the same phase switch runs and frees nothing)")
     sleep_level: int = setting(2, ge=1, le=2, help="1: weights kept in host memory while asleep; 2: dropped (the sync after every update re-sends them)")

@@ -56,6 +56,12 @@ class RolloutGroup:
         for engine in self.engines:
             engine.version = version
 
+    def replace(self, index: int, target: Any, version: int) -> None:
+        """Engine ``index`` is now ``target`` (a restarted engine actor) holding policy ``version``."""
+        handle = EngineHandle(target, index)
+        handle.version = version
+        self.engines[index] = handle
+
     def assign(self, prompt_key: Any) -> EngineHandle:
         if prompt_key in self._assigned:
             return self.engines[self._assigned[prompt_key]]

@@ -81,7 +81,7 @@ METRIC_KEYS: tuple[str, ...] = (
     "train/zero_signal", "train/zero_signal_steps",
     *(f"offpolicy/{k}" for k in (  # trainer.mode: off_policy (trainer/off_policy.py); <lag>: a version lag
         "policy_version", "buffer_depth", "dropped_stale", "dropped_stale_total", "dropped_in_flight_total",
-        "staleness/<lag>", "token_share/<lag>", "is_weight_mean", "is_weight_max", "is_weight_clipped_frac",
+        "engine_restarts_total", "staleness/<lag>", "token_share/<lag>", "is_weight_mean", "is_weight_max", "is_weight_clipped_frac",
         "engine_idle_s", "engine_idle_frac", "actor_idle_s", "actor_idle_frac")),
 )
 

@@ -22,6 +22,12 @@ update's sync, at the version it trains: the trajectories and the losses of sync
 A checkpoint (taken between steps, when no call runs) saves the buffer's finished groups and the next
 batch number; the resumed run continues exactly. A call cancelled by a stop request loses its groups
 (counted as dropped in flight) and gives its prompts back to the sampler.
+
+An engine actor that dies during a call loses that call's groups only (counted as dropped in flight, their
+prompts drawn again): ``restart_dead_engines`` replaces it on its placement and syncs the current weights
+into it, at most ``rollout.max_engine_restarts`` times per run. Seen in ``take_batch`` it happens at once;
+seen while the actor trains, the engines stop generating and it happens after the update, before the
+step's sync (the actor's weights are mid-update until then).
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ import logging
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from megatron_arpo.algo.off_policy import sequence_weights, token_lags
 from megatron_arpo.rollout.buffer import BufferedGroup, RolloutBuffer
@@ -48,8 +54,13 @@ _STAT_KEYS_MAX = ("barrier_rounds",)  # scheduler counters that are not summed o
 class OffPolicyLoop:
     """The producer side (engines to buffer) and the off-policy parts of one step."""
 
-    def __init__(self, rt: Runtime):
+    def __init__(self, rt: Runtime, restart_engine: Optional[Callable[[int], None]] = None):
         self.rt = rt
+        # restart_engine(index): a new engine actor in place of the dead one (trainer.runtime.restart_engine)
+        self.restart_engine = restart_engine
+        self.max_restarts = rt.cfg.rollout.max_engine_restarts
+        self.restarts = 0                  # engine actors replaced in this run (this process)
+        self.dead: Optional[BaseException] = None  # an engine death seen while the actor trains, not yet handled
         r, t = rt.cfg.rollout, rt.cfg.trainer
         self.buffer = RolloutBuffer(r.buffer_groups, r.max_staleness)
         self.batch_size = t.train_batch_size
@@ -78,9 +89,13 @@ class OffPolicyLoop:
         start = time.perf_counter()
         try:
             result = await rt.scheduler.run(prompts, call_key=f"train-{number}", options=None)
-        except BaseException:  # cancelled by a stop request (StepAborted), an engine died, a timeout
+        except BaseException as exc:  # cancelled by a stop request (StepAborted), an engine died, a timeout
             self.buffer.lose_in_flight(len(prompts))
             rt.sampler.load_state_dict(sampler_before)  # its prompts are drawn again by the next call
+            if is_engine_death(exc):
+                logger.warning("off-policy: an engine actor died during batch %d (%s); its %d in-flight groups are "
+                               "lost and their prompts drawn again; restarting the engine", number,
+                               _first_line(exc), len(prompts))
             raise
         finally:
             self.busy_s += time.perf_counter() - start
@@ -110,6 +125,8 @@ class OffPolicyLoop:
 
         async def fill() -> None:
             calls = 0
+            if self.dead is not None:  # seen during the last update and not replaced (check_engines not run)
+                await self.restart_dead_engines(self.dead)
             while not self.buffer.ready(self.batch_size, version):
                 self.buffer.drop_stale(version)
                 if self.buffer.room < self.batch_size:
@@ -125,7 +142,13 @@ class OffPolicyLoop:
                         f"{version}; the engines label their tokens with another version (engine versions: "
                         f"{[e.version for e in rt.group.engines] if rt.group is not None else None}). The weight "
                         "sync must pass the trainer's version to the engines (steps.sync_weights)")
-                await self._generate_one()
+                try:
+                    await self._generate_one()
+                except Exception as exc:
+                    if not is_engine_death(exc):
+                        raise
+                    await self.restart_dead_engines(exc)  # the actor waits: the engines are not in use
+                    continue
                 calls += 1
 
         wait_start = time.perf_counter()
@@ -198,14 +221,53 @@ class OffPolicyLoop:
             finished: list[float] = []
             done.add_done_callback(lambda _: finished.append(time.perf_counter()))
             try:
-                while not done.done() and self._admissible(limit) and not (cancel_when and cancel_when()):
-                    await self._generate_one()  # a stop request is served after this call, at the step's end
+                while (not done.done() and self.dead is None and self._admissible(limit)
+                       and not (cancel_when and cancel_when())):
+                    try:
+                        await self._generate_one()  # a stop request is served after this call, at the step's end
+                    except Exception as exc:
+                        if not is_engine_death(exc):
+                            raise
+                        self.dead = exc  # replaced after the update (check_engines), not while it runs
                 return await done
             finally:
                 if finished:  # the actor finished during the last call: it waited for that call
                     self.waited_s += max(time.perf_counter() - finished[0], 0.0)
 
         return rt.run_async(both(), timeout, "the actor's step (with the engines generating)", timeout_key)
+
+    # ------------------------------------------------------------------ engine deaths
+    async def restart_dead_engines(self, exc: Optional[BaseException], sync: bool = True) -> None:
+        """Replace the engines that died (``exc``, when given, named one of them; the others are probed) and,
+        with ``sync``, give every engine the current weights and version; raises the clear error once
+        ``rollout.max_engine_restarts`` is spent."""
+        rt = self.rt
+        dead = await find_dead_engines(rt.group.engines, exc)
+        if not dead:
+            if exc is not None:  # raised by an engine actor but every engine answers: not a death to mend here
+                raise exc
+            return
+        cause = _first_line(exc) if exc is not None else "its health call failed"
+        if self.restart_engine is None or self.restarts + len(dead) > self.max_restarts:
+            raise RuntimeError(
+                f"vLLM engine {', '.join(map(str, dead))} died ({cause}) after {self.restarts} engine "
+                f"restart(s) this run; rollout.max_engine_restarts={self.max_restarts} allows no more. Its log is in "
+                "the Ray session dir (logs/worker-*.err); raise rollout.max_engine_restarts or resume the run") from exc
+        for index in dead:
+            logger.warning("off-policy: restarting vLLM engine %d (restart %d of at most %d)", index,
+                           self.restarts + 1, self.max_restarts)
+            self.restart_engine(index)
+            self.restarts += 1
+        self.dead = None
+        if sync:
+            steps.sync_weights(rt)  # the new engines get the current weights and version (the others again)
+
+    def check_engines(self) -> None:
+        """After the update, before the step's sync: replace an engine that died while the actor trained
+        (seen by a call, or found by a ``health`` probe when it died between calls); the step's sync, next,
+        gives it the weights."""
+        self.rt.run_async(self.restart_dead_engines(self.dead, sync=False), self.rt.cfg.trainer.timeouts.startup_s,
+                          "the check (and restart) of the vLLM engines", "trainer.timeouts.startup_s")
 
     # ------------------------------------------------------------------ metrics, checkpoint
     def metrics(self, trajectories: list, weight_stats: dict[str, float]) -> dict[str, float]:
@@ -219,6 +281,7 @@ class OffPolicyLoop:
             "offpolicy/dropped_stale": float(self.take_info.get("dropped", 0.0)),
             "offpolicy/dropped_stale_total": float(self.buffer.counters["dropped_stale"]),
             "offpolicy/dropped_in_flight_total": float(self.buffer.counters["dropped_in_flight"]),
+            "offpolicy/engine_restarts_total": float(self.restarts),
             "offpolicy/engine_idle_s": max(wall - self.busy_s, 0.0),
             "offpolicy/engine_idle_frac": max(wall - self.busy_s, 0.0) / wall,
             "offpolicy/actor_idle_s": self.waited_s,
@@ -266,11 +329,43 @@ class OffPolicyLoop:
         logger.info("off-policy: resumed with %d buffered groups, next batch %d", len(self.buffer), self.next_batch)
 
 
-def start_off_policy(rt: Runtime) -> Optional[OffPolicyLoop]:
+def start_off_policy(rt: Runtime, restart_engine: Optional[Callable[[int], None]] = None) -> Optional[OffPolicyLoop]:
     """The loop for ``trainer.mode: off_policy`` (None in sync mode, and when replaying records)."""
     if rt.cfg.trainer.mode != "off_policy" or rt.replay is not None:
         return None
-    return OffPolicyLoop(rt)
+    return OffPolicyLoop(rt, restart_engine)
+
+
+def is_engine_death(exc: BaseException) -> bool:
+    """Whether ``exc`` says an engine actor died (ray's RayActorError, ActorDiedError among them, as the
+    scheduler re-raises it from the engine call)."""
+    # deferred: pulls in ray (heavy; this module imports without it)
+    from ray.exceptions import RayActorError
+
+    return isinstance(exc, RayActorError)
+
+
+async def find_dead_engines(engines: Sequence[Any], exc: Optional[BaseException], probe_s: float = 30.0) -> list[int]:
+    """Indices of the dead engines: the one ``exc`` names by actor id, and any whose ``health`` call fails
+    with an actor error (a death without an id, or more than one)."""
+    named = getattr(exc, "actor_id", None)
+    dead = set()
+    for handle in engines:
+        actor_id = getattr(getattr(handle.target, "_actor_id", None), "hex", lambda: None)()
+        if named is not None and actor_id == named:
+            dead.add(handle.index)
+            continue
+        try:
+            await asyncio.wait_for(handle.call("health"), probe_s)
+        except Exception as probe_exc:
+            if is_engine_death(probe_exc):
+                dead.add(handle.index)
+    return sorted(dead)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def abandon_step(rt: Runtime, sampler_before: dict) -> None:
@@ -281,4 +376,4 @@ def abandon_step(rt: Runtime, sampler_before: dict) -> None:
         rt.off_policy.put_back()
 
 
-__all__ = ["BUFFER_FILE", "OffPolicyLoop", "abandon_step", "start_off_policy"]
+__all__ = ["BUFFER_FILE", "OffPolicyLoop", "abandon_step", "find_dead_engines", "is_engine_death", "start_off_policy"]

@@ -116,6 +116,7 @@ def _start_engines(rt: Runtime, hf_dir: str, on_gpu: bool) -> None:
         logger.info("trainer.deterministic: on (actor ranks in Megatron's deterministic mode with torch's "
                     "deterministic algorithms; GPU engines in vLLM's batch-invariant mode)")
     engine_cfg.weight_transfer = rt.transport  # the engines' receiver matches the actor's sender
+    rt.engine_config = engine_cfg  # restart_engine starts a replacement with the same config
     for index in range(cfg.rollout.num_engines):
         rt.engines.append(create_engine_actor(engine_cfg, index, **rt.pools.engine_placement(index)))
 
@@ -139,6 +140,26 @@ def ready_engines(rt: Runtime, on_gpu: bool) -> None:
     check_kv_caches(infos, rt.cfg.rollout, on_gpu)
     rt.phases.note("KV caches checked")
     sleep_engines(rt)
+
+
+def restart_engine(rt: Runtime, index: int, on_gpu: bool) -> None:
+    """Replace the dead engine actor ``index`` with a new one on its placement (same bundle, same
+    ``EngineConfig``), ready and KV-checked as at start-up; it holds the HF weights until the next weight
+    sync (the caller syncs: ``OffPolicyLoop.restart_dead_engines``)."""
+    # deferred: pulls in ray and vLLM's config (heavy; this module imports without them)
+    import ray
+    from megatron_arpo.rollout.engine_actor import create_engine_actor
+
+    try:
+        ray.kill(rt.engines[index], no_restart=True)  # dead already; frees its bundle share if it is not
+    except Exception as exc:  # a handle of a dead actor may refuse the kill: nothing to free then
+        logger.debug("engine %d: kill of the dead actor: %s", index, exc)
+    rt.engines[index] = create_engine_actor(rt.engine_config, index, **rt.pools.engine_placement(index))
+    _wait_for_engines(rt)
+    infos = ray.get([rt.engines[index].kv_cache_info.remote()], timeout=rt.cfg.trainer.timeouts.startup_s)
+    check_kv_caches(infos, rt.cfg.rollout, on_gpu)
+    rt.group.replace(index, rt.engines[index], version=0)  # the sync that follows labels it
+    rt.phases.note(f"engine {index} restarted")
 
 
 def _wait_for_engines(rt: Runtime) -> None:
@@ -246,7 +267,8 @@ def start_runtime(cfg: ExperimentConfig, resume: str, replay_dir: Optional[str] 
         if rt.replay is None:
             rt.group = RolloutGroup(rt.engines)
             rt.scheduler = RolloutScheduler(rt.group, rt.tools, rt.protocol, rt.options)
-        rt.off_policy = start_off_policy(rt)  # trainer.mode: off_policy: the rollout buffer, restored below
+        # trainer.mode: off_policy: the rollout buffer (restored below); a dead engine is restarted in place
+        rt.off_policy = start_off_policy(rt, restart_engine=lambda index: restart_engine(rt, index, on_gpu))
 
         if rt.resume_from is not None:
             checkpointing.restore_driver_state(rt, rt.actor.init_state or {})

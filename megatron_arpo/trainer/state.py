@@ -98,6 +98,7 @@ class Runtime:
     conn: Optional[RayConnection] = None
     pools: Optional[ResourcePools] = None
     engines: list[ActorHandle] = field(default_factory=list)  # the vLLM engine actors (rollout.engine)
+    engine_config: Optional[Any] = None  # their EngineConfig (megatron_arpo.rollout.engine), for restarts
     actor: Optional[ActorGroup] = None
     reference: Optional[ActorGroup] = None
     group: Optional[RolloutGroup] = None

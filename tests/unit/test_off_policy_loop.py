@@ -1,7 +1,7 @@
 """The off-policy loop parts (megatron_arpo/trainer/off_policy.py) on scripted engines and a stand-in actor:
 the staleness bound decides which batches the engines generate during an update, versions and lags follow,
-the buffer survives a checkpoint, a cancelled call gives its prompts back. The real actor and engines run in
-tests/integration/test_off_policy_train.py."""
+the buffer survives a checkpoint, a cancelled call gives its prompts back, a dead engine is replaced. The real
+actor and engines run in tests/integration/test_off_policy_train.py."""
 
 from __future__ import annotations
 
@@ -11,15 +11,18 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from ray.exceptions import ActorDiedError
 
 from megatron_arpo.config import build_config
 from megatron_arpo.data.sampler import EpochSampler
 from megatron_arpo.rollout.trajectory import NOT_SAMPLED
 from megatron_arpo.trainer.metrics import PhaseTimer, metric_pattern
+from megatron_arpo.trainer import steps
 from megatron_arpo.trainer.off_policy import BUFFER_FILE, OffPolicyLoop
 from megatron_arpo.trainer.signals import StepAborted
 from megatron_arpo.trainer.state import PromptSet, Runtime
 from scheduler_helpers import CODEC, RESULT, Counter, ScriptedStep, make_scheduler, table
+from support.scripted import ScriptedEngine
 
 BATCH = 2
 
@@ -47,6 +50,7 @@ class StandInActor:
         self.updates: list[dict] = []
         self.started = threading.Event()
         self.proximal: list = []
+        self.syncs: list = []
 
     def _wait(self, phase):
         if self.wait_for_call == phase:
@@ -57,6 +61,13 @@ class StandInActor:
         return {"logprobs": self.proximal, "entropy": [[0.0] * len(row) for row in self.proximal],
                 "padding_fraction": 0.0}
 
+    def sync_weights(self, group, version):
+        """What the weight sync does to the engines' labels (the weights of a scripted engine are its script)."""
+        self.syncs.append((version, [e.target for e in group.engines]))
+        for handle in group.engines:
+            handle.target.version = version
+        return {"seconds": 1.0, "send_s": 1.0, "bytes": 0, "buckets": 0, "driver_bytes": 0, "driver_weight_bytes": 0}
+
     def update(self, batch):
         calls_before = self.scheduler._num_calls
         self._wait("update")
@@ -65,16 +76,17 @@ class StandInActor:
 
 
 def make_runtime(tmp_path: Path, max_staleness: int, total_steps: int = 3, wait_for_call=None,
-                 engine_latency: float = 0.0):
+                 engine_latency: float = 0.0, num_engines: int = 1, max_engine_restarts: int = 3):
     cfg = build_config({"model": {"config": "tiny-qwen3"}, "rollout": {"response_length": 512, "n": 2,
                                                                        "initial_rollouts": 2,
-                                                                       "max_staleness": max_staleness},
+                                                                       "max_staleness": max_staleness,
+                                                                       "max_engine_restarts": max_engine_restarts},
                         "data": {"max_prompt_tokens": 256}, "tools": {"search": {"enabled": False}},
                         "launcher": {"gpus_per_node": 0}, "actor": {"mini_batch_size": BATCH},
                         "trainer": {"placement": "separate", "actor_devices": 1, "rollout_devices": 1,
                                     "mode": "off_policy", "train_batch_size": BATCH}})
     sched, _ = make_scheduler(_script(), n=2, initial_rollouts=2, beam_size=1, call_limit=2, response_length=200,
-                              engine_latency=engine_latency)
+                              engine_latency=engine_latency, num_engines=num_engines)
     rt = Runtime(cfg=cfg, run_dir=tmp_path)
     rt.scheduler, rt.group, rt.total_steps = sched, sched.group, total_steps
     records = [SimpleNamespace(uid=f"u{i}") for i in range(12)]
@@ -226,3 +238,98 @@ def test_actor_idle_counts_the_wait_for_the_call_still_running_after_the_update(
     assert waited_after_update > 0.05  # the call outlived the update (its requests take 0.05 s each)
     # the same interval, give or take the few statements between the two clocks (none before the fix)
     assert rt.off_policy.waited_s >= 0.5 * waited_after_update
+
+
+class DyingEngine:
+    """A scripted engine whose actor dies at its first request of call ``dies_in``: that request and every
+    later call (``health`` included) raise ray's ActorDiedError, as a Ray actor handle of a dead actor does."""
+
+    def __init__(self, engine: ScriptedEngine, dies_in: str):
+        self.engine, self.dies_in, self.dead = engine, dies_in, False
+
+    async def generate(self, request):
+        if request.request_id.startswith(f"{self.dies_in}:"):
+            self.dead = True
+        if self.dead:
+            raise ActorDiedError()
+        return await self.engine.generate(request)
+
+    async def health(self):
+        if self.dead:
+            raise ActorDiedError()
+        return await self.engine.health()
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
+def with_dying_engine(rt, dies_in: str):
+    """Engine 1 of ``rt`` dies in call ``dies_in``; returns the list of restarted indices (the stand-in for
+    trainer.runtime.restart_engine: a fresh scripted engine in its place, holding no version yet)."""
+    handle = rt.group.engines[1]
+    handle.target = DyingEngine(handle.target, dies_in)
+    restarted = []
+
+    def restart(index):
+        restarted.append(index)
+        old = rt.group.engines[index].target.engine
+        rt.group.replace(index, ScriptedEngine(old.script, engine_index=index), version=0)
+
+    rt.off_policy.restart_engine = restart
+    return restarted
+
+
+def test_an_engine_dying_while_the_actor_waits_loses_its_call_only_and_is_replaced_at_once(tmp_path, caplog):
+    rt = make_runtime(tmp_path, max_staleness=0, num_engines=2)
+    restarted = with_dying_engine(rt, "train-1")
+    out = one_step(rt, 1)
+    offp = rt.off_policy
+    assert restarted == [1] and offp.restarts == 1  # the dead engine, once; engine 0 answered its probe
+    assert offp.buffer.counters["dropped_in_flight"] == BATCH and offp.buffer.in_flight == 0
+    assert out["indices"] == [0, 1]  # the lost call's prompts, drawn again by the call that succeeded
+    assert len(rt.actor.updates) == 1 and len(out["trajs"]) == 2 * BATCH  # the step got its batch
+    assert rt.actor.syncs[0][0] == 0 and rt.group.engines[1].target in rt.actor.syncs[0][1]  # synced at once
+    assert {t.oldest_version() for t in out["trajs"]} == {0}
+    assert out["row"]["offpolicy/engine_restarts_total"] == 1.0
+    assert out["row"]["offpolicy/dropped_in_flight_total"] == BATCH
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("died during batch 1" in w and f"{BATCH} in-flight groups" in w and "restarting" in w
+               for w in warnings), warnings
+    assert any("restarting vLLM engine 1" in w for w in warnings), warnings
+
+
+def test_an_engine_dying_during_the_update_is_replaced_after_it(tmp_path):
+    rt = make_runtime(tmp_path, max_staleness=1, total_steps=3, num_engines=2, wait_for_call="update")
+    restarted = with_dying_engine(rt, "train-2")  # the batch the engines generate during update 1
+    one_step(rt, 1)
+    offp = rt.off_policy
+    assert len(rt.actor.updates) == 1 and rt.policy_version == 1  # the update finished
+    assert restarted == [] and offp.dead is not None  # not replaced while the actor was inside its update
+    assert offp.buffer.counters["dropped_in_flight"] == BATCH and offp.next_batch == 2
+    offp.check_engines()  # train.py, before the step's sync
+    assert restarted == [1] and offp.dead is None and rt.actor.syncs == []  # the step's sync follows
+    steps.sync_weights(rt)  # the step's sync (train.py: phases.switch_phase(rt, "rollout"))
+    rt.actor.wait_for_call = None
+    out = one_step(rt, 2)
+    assert out["indices"] == [2, 3]  # batch 2's prompts, regenerated
+    assert {t.oldest_version() for t in out["trajs"]} == {1}
+    assert out["row"]["offpolicy/engine_restarts_total"] == 1.0
+
+
+def test_engine_deaths_beyond_max_engine_restarts_stop_the_run_naming_the_key(tmp_path):
+    rt = make_runtime(tmp_path, max_staleness=0, num_engines=2, max_engine_restarts=0)
+    restarted = with_dying_engine(rt, "train-1")
+    with pytest.raises(RuntimeError, match=r"vLLM engine 1 died .*rollout.max_engine_restarts=0 allows no more"):
+        rt.off_policy.take_batch(1)
+    assert restarted == [] and rt.off_policy.buffer.counters["dropped_in_flight"] == BATCH
+
+
+def test_an_engine_that_died_between_calls_is_found_by_its_health_probe_before_the_sync(tmp_path):
+    rt = make_runtime(tmp_path, max_staleness=0, num_engines=2)
+    restarted = with_dying_engine(rt, "never")
+    one_step(rt, 1)
+    rt.off_policy.check_engines()  # every engine answers: nothing to do
+    assert restarted == []
+    rt.group.engines[1].target.dead = True  # killed while no call ran (no call saw it)
+    rt.off_policy.check_engines()
+    assert restarted == [1] and rt.off_policy.restarts == 1
