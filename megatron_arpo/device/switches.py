@@ -227,7 +227,7 @@ SWITCHES: tuple[Switch, ...] = (
         id="kv-cache-size-source",
         where=("megatron_arpo/rollout/kv_cache.py:check_kv_caches",
                "megatron_arpo/trainer/runtime.py:start_rollout_engines",
-               "megatron_arpo/trainer/runtime.py:ready_engines"),
+               "megatron_arpo/trainer/runtime.py:ready_engines", "megatron_arpo/trainer/runtime.py:restart_engine"),
         cpu="the KV cache is VLLM_CPU_KVCACHE_SPACE (rollout.cpu_kv_cache_gib); a short one names that fix",
         gpu="gpu_memory_utilization's share of the device, or rollout.kv_cache_gib (kv_cache_memory_bytes); a short "
             "one names those fixes",
