@@ -153,6 +153,26 @@ def _group_rows(rows: list[PackedRow], max_tokens: int, multiple: int, sort: boo
     return plans
 
 
+def pad_plans(plans: Sequence[MicroBatchPlan], shapes: Sequence[tuple[int, int]]) -> list[MicroBatchPlan]:
+    """``plans`` grown to ``len(shapes)`` micro-batches, micro-batch ``i`` to ``shapes[i] = (rows, row_length)``.
+
+    Used at expert parallelism > 1, where every rank of an expert-parallel group must run the same number
+    of micro-batches of the same token count (``shapes`` is the group's element-wise maximum). Added rows
+    and micro-batches hold no sequence: all padding, never a target, nothing unpacked from them.
+    """
+    if len(shapes) < len(plans):
+        raise ValueError(f"{len(shapes)} shapes for {len(plans)} micro-batches; the agreed schedule must cover all")
+    out = []
+    for i, (rows, width) in enumerate(shapes):
+        plan = plans[i] if i < len(plans) else MicroBatchPlan((), 0)
+        if rows < len(plan.rows) or width < plan.row_length:
+            raise ValueError(f"micro-batch {i} of shape ({len(plan.rows)}, {plan.row_length}) does not fit the "
+                             f"agreed shape ({rows}, {width})")
+        empty = PackedRow((), ())
+        out.append(MicroBatchPlan(plan.rows + (empty,) * (rows - len(plan.rows)), width))
+    return out
+
+
 def padding_fraction(plans: Sequence[MicroBatchPlan]) -> float:
     """Share of the computed slots that are padding."""
     slots = sum(p.num_slots for p in plans)

@@ -69,6 +69,7 @@ logger = logging.getLogger(__name__)
 
 ROLES = ("policy", "reference")
 DEFAULT_EXPORT_BUCKET_BYTES = 512 * 2**20
+MAX_AGREED_MICRO_BATCHES = 1024  # EP > 1: micro-batches per pass the schedule agreement carries (one all-reduce)
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -277,6 +278,41 @@ class MegatronActorWorker:
         return packing.plan_micro_batches(lengths, budget, row_tokens=row_tokens, mode=self.packing_mode,
                                           pad_to_multiple=self._pad_multiple)
 
+    def _agree_plans(self, plans: list[packing.MicroBatchPlan]) -> list[packing.MicroBatchPlan]:
+        """At expert parallelism > 1: the plans padded to the schedule the expert-parallel group agrees on.
+
+        The MoE token dispatcher's collectives span the data-parallel replicas of an EP group (the
+        all-gather dispatcher needs the same token count on every rank; any dispatcher needs every rank to
+        run the same number of forwards). One all-reduce MAX over the stage's expert TP x EP group gives
+        the number of micro-batches and each one's ``(rows, row_length)``; the padding rows and micro-
+        batches hold no target, so they add nothing to the loss, the log-probs or the metrics. Dense
+        models (EP 1) keep their own plans.
+        """
+        if self.parallel.ep == 1:
+            return plans
+        # deferred: pulls in megatron-core (heavy; this module imports without it)
+        from megatron.core import parallel_state
+
+        if self.use_te:
+            raise NotImplementedError("packed THD micro-batches (Transformer Engine) at expert_parallel > 1 are "
+                                      "not padded to the expert-parallel group's schedule yet; set "
+                                      "actor.use_te: false")
+        group = parallel_state.get_expert_tensor_and_model_parallel_group()
+        limit = 1 + 2 * MAX_AGREED_MICRO_BATCHES
+        if len(plans) > MAX_AGREED_MICRO_BATCHES:
+            raise ValueError(f"{len(plans)} micro-batches on one rank; at expert_parallel > 1 at most "
+                             f"{MAX_AGREED_MICRO_BATCHES} are supported: raise actor.micro_batch_tokens")
+        vec = torch.zeros(limit, dtype=torch.long)
+        vec[0] = len(plans)
+        for i, plan in enumerate(plans):
+            vec[1 + 2 * i], vec[2 + 2 * i] = len(plan.rows), plan.row_length
+        vec = vec.to(collective_device())
+        dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=group)
+        vec = vec.cpu()
+        count = int(vec[0])
+        shapes = [(int(vec[1 + 2 * i]), int(vec[2 + 2 * i])) for i in range(count)]
+        return packing.pad_plans(plans, shapes)
+
     def _micro_batches(self, plans, seqs, extras=None) -> list:
         return [build_micro_batch(p, seqs, extras, use_thd=self.use_te, pad_to_multiple=self._pad_multiple)
                 for p in plans]
@@ -292,7 +328,7 @@ class MegatronActorWorker:
         lengths = [len(s) for s in seqs]
         budget = self.actor.logprob_micro_batch_tokens or self.actor.micro_batch_tokens
         plans = self._plan(lengths, budget)
-        mbs = self._micro_batches(plans, seqs)
+        mbs = self._micro_batches(self._agree_plans(plans), seqs)
         with torch.no_grad():
             reduced = run_schedule([self.chunk], mbs, partial(logprob_loss, self.vocab, with_entropy),
                                    forward_only=True, rope=self.rope)
@@ -303,7 +339,7 @@ class MegatronActorWorker:
             starts = [0]
             for n in lengths:
                 starts.append(starts[-1] + n)
-            for plan, out in zip(plans, reduced):
+            for plan, out in zip(plans, reduced):  # agreed padding micro-batches (EP > 1) come last: dropped
                 for k, key in enumerate(keys):
                     for idx, vals in packing.unpack_token_values(plan, out[key]).items():
                         flat[k, starts[idx]:starts[idx + 1]] = vals
@@ -367,7 +403,7 @@ class MegatronActorWorker:
                     extras["behav_weights"] = [batch["behav_weights"][i] for i in idx]
                 plans = self._plan([len(x) for x in sub], self.actor.micro_batch_tokens)
                 padding.append((sum(p.num_slots for p in plans), sum(p.num_tokens for p in plans)))
-                mbs = self._micro_batches(plans, sub, extras)
+                mbs = self._micro_batches(self._agree_plans(plans), sub, extras)
                 stats = None
                 if s.entropy_aware_advantage:
                     moments = entropy_moments_pass([self.chunk], mbs, self.vocab, self.rope, dp_group)
@@ -450,7 +486,7 @@ class MegatronActorWorker:
         dist.all_reduce(local, group=dp_group)
         num_tokens = max(float(local[0]), 1.0)
         plans = self._plan([len(x) for x in seqs], self.actor.micro_batch_tokens)
-        mbs = self._micro_batches(plans, seqs, {"loss_mask": masks})
+        mbs = self._micro_batches(self._agree_plans(plans), seqs, {"loss_mask": masks})
         start = time.perf_counter()
         sums, grad_norm, _ = train_micro_batches(self.ddp_model, self.optimizer, self.scheduler, mbs,
                                                  partial(sft_loss, self.vocab, num_tokens / (self.dp * len(mbs))),

@@ -33,7 +33,11 @@ The patches, and the Megatron code path that needs each:
    ``torch.cuda._lazy_call``, which without CUDA queues the call forever, so ``tracker.fork()`` (around
    TP weight init and attention dropout) would silently not switch streams. Replaced by the CPU
    generator, so the fork really draws from the per-TP-rank stream.
-4. A logging filter on ``megatron.core.tensor_parallel.random`` dropping "CPU RNG state changed within
+4. ``tensor_parallel.mappings``' gather / reduce-scatter helpers run under the mode of (1) whatever
+   thread calls them: the backward of the MoE all-gather token dispatcher (expert parallelism) calls them
+   from the autograd engine, where the thread's mode is not in force, and they allocate on
+   ``torch.cuda.current_device()``.
+5. A logging filter on ``megatron.core.tensor_parallel.random`` dropping "CPU RNG state changed within
    GPU RNG context": with (3) the fork changes the CPU generator by design, and it would warn on every
    fork.
 
@@ -43,6 +47,7 @@ causal mask path is only taken by fused/TE kernels that do not exist on CPU.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -115,6 +120,18 @@ def _cpu_manual_seed(seed: int) -> None:
     torch.default_generator.manual_seed(int(seed))
 
 
+_MAPPING_HELPERS = ("_gather_along_first_dim", "_reduce_scatter_along_first_dim", "_gather_along_last_dim",
+                    "_reduce_scatter_along_last_dim")
+
+
+def _under_cpu_mode(fn):
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        with _CudaToCpuMode():
+            return fn(*args, **kwargs)
+    return wrapped
+
+
 def apply_cpu_compat() -> bool:
     """Install the CPU patches (once per process, and the mode once per calling thread).
 
@@ -130,6 +147,11 @@ def apply_cpu_compat() -> bool:
         # deferred: pulls in megatron-core (heavy; this module imports without it)
         from megatron.core.tensor_parallel import random as mcore_random
 
+        # deferred: pulls in megatron-core (heavy; this module imports without it)
+        from megatron.core.tensor_parallel import mappings
+
+        for name in _MAPPING_HELPERS:
+            setattr(mappings, name, _under_cpu_mode(getattr(mappings, name)))
         torch.cuda.current_device = lambda: 0
         torch.cuda.synchronize = lambda *a, **k: None
         torch.cuda.get_rng_state = _cpu_get_rng_state

@@ -140,3 +140,21 @@ def test_split_rejects_mini_batch_smaller_than_dp():
         packing.split_for_data_parallel(batch, 2, mini_batch_size=1)
     assert packing.assign_mini_batches(batch, None) == [0, 0, 0]
     assert packing.assign_mini_batches({"input_ids": [[1]] * 3}, 2) == [0, 0, 1]
+
+
+def test_pad_plans_adds_empty_rows_and_micro_batches():
+    seqs = [[1, 2, 3, 4, 5], [6, 7, 8]]
+    plans = packing.plan_micro_batches([5, 3], 8)  # two micro-batches: [5] and [3]
+    assert [(len(p.rows), p.row_length) for p in plans] == [(1, 5), (1, 3)]
+    padded = packing.pad_plans(plans, [(2, 7), (1, 4), (1, 2)])
+    assert [(len(p.rows), p.row_length) for p in padded] == [(2, 7), (1, 4), (1, 2)]
+    assert [p.seq_indices for p in padded] == [(0,), (1,), ()]
+    assert [p.num_tokens for p in padded] == [5, 3, 0]
+    rows = packing.build_row_tensors(padded[0], seqs)
+    assert not rows["target_mask"][1].any() and int(rows["target_mask"].sum()) == 4
+    assert packing.unpack_token_values(padded[2], torch.ones(1, 2)) == {}
+    assert float(packing.gather_row_values(padded[0], [[1.0] * 5, [1.0] * 3]).sum()) == 4.0
+    with pytest.raises(ValueError, match="does not fit"):
+        packing.pad_plans(plans, [(1, 4), (1, 3)])
+    with pytest.raises(ValueError, match="must cover all"):
+        packing.pad_plans(plans, [(1, 5)])
