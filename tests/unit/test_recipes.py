@@ -39,7 +39,7 @@ SFT_RECIPES = {"configs/qwq-32b-sft.yaml": "configs/qwq-32b-arpo-deepsearch.yaml
 # The MoE recipe and the dense recipe whose run it repeats: what may differ (model, layout, pools), nothing else.
 MOE_RECIPES = {"configs/qwen3-30b-a3b-arpo.yaml": "configs/qwen3-32b-arpo-reasoning.yaml"}
 MOE_CHANGES = {"name", "model.config", "model.hf_checkpoint", "actor.tensor_parallel", "actor.pipeline_parallel",
-               "actor.expert_parallel", "actor.expert_tensor_parallel", "rollout.num_engines",
+               "actor.expert_parallel", "actor.expert_tensor_parallel", "actor.use_te", "rollout.num_engines",
                "rollout.gpu_memory_utilization", "trainer.run_dir", "logging.wandb.tags", "launcher.nodes",
                "launcher.job_name"}
 GPUS = ("h100-80g", "h200-141g", "a100-80g")
