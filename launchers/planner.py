@@ -75,13 +75,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from megatron_arpo.model_config import ModelConfig, load_model_config
 from megatron_arpo.parallel_layout import (derive_data_parallel, engine_tp_errors, expert_world_errors,
                                            model_layout_errors)
+from megatron_arpo.cluster.allocation import slurm_size_bytes
 from megatron_arpo.config_schema import TrainerSection
 from megatron_arpo.rollout.config import RolloutSection
 from megatron_arpo.weight_sync.protocol import pack_in_order
@@ -649,6 +649,8 @@ def plan_input_from_config(cfg: Mapping[str, Any] | Any, model: str | None = Non
     seq_len = prompt_tokens + response_tokens
     max_len = rollout.get("max_model_len") or seq_len
     use_te = str(actor.get("use_te", "auto")).lower()
+    host_bytes = slurm_size_bytes(launcher.get("memory_per_node"))
+    host_gib = host_bytes / GiB if host_bytes is not None else None
     return PlanInput(
         model=mcfg, gpu=gpu, nodes=nodes or launcher.get("nodes", 1),
         gpus_per_node=gpus_per_node or launcher.get("gpus_per_node", 8) or 8,
@@ -674,15 +676,7 @@ def plan_input_from_config(cfg: Mapping[str, Any] | Any, model: str | None = Non
         response_tokens=response_tokens,
         train_batch_size=trainer.get("train_batch_size", PlanInput.train_batch_size),
         max_staleness=rollout.get("max_staleness", RolloutSection.max_staleness),
-        buffer_groups=rollout.get("buffer_groups"), host_memory_gib=slurm_size_gib(launcher.get("memory_per_node")))
-
-
-def slurm_size_gib(value: Any) -> float | None:
-    """GiB of a Slurm memory size (``480G``, ``400M``, ``2T``; no suffix = MiB); None for all, null or other."""
-    match = re.fullmatch(r"(\d+)([KMGT]?)", str(value)) if value is not None else None
-    if not match:
-        return None
-    return int(match.group(1)) * 1024 ** ("KMGT".index(match.group(2) or "M") + 1) / GiB
+        buffer_groups=rollout.get("buffer_groups"), host_memory_gib=host_gib)
 
 
 def plan_from_config(cfg: Mapping[str, Any] | Any, **overrides) -> Plan:

@@ -8,6 +8,7 @@ one line, with no traceback, and exits 2. ``ConfigError``, ``DatasetError``, ``S
 
 :func:`as_symlink_loop` turns the two ways a symlink loop surfaces (``OSError`` ELOOP from the OS,
 ``RuntimeError`` from Python 3.11's ``Path.resolve``) into one such error, wherever a path was followed.
+:func:`first_line` is the one-line summary of an exception that messages quote.
 """
 
 import errno
@@ -43,3 +44,8 @@ def as_symlink_loop(exc: BaseException) -> SymlinkLoopError | None:
     return SymlinkLoopError(f"{path}: a symlink loop (links that point back to each other); fix or remove the "
                             f"link, or give the real path")
 
+
+def first_line(exc: BaseException) -> str:
+    """The first line of ``exc``'s message, or its type's name when the message is empty."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

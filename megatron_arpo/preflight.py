@@ -31,7 +31,7 @@ from megatron_arpo.data.chat import ChatFormatError, load_chat_format
 from megatron_arpo.data.datasets import DEFAULT_SYSTEM_PROMPT, load_prompt_files
 from megatron_arpo.data.fields import FieldKeys
 from megatron_arpo.data.sft import SFTDataError, iter_conversations
-from megatron_arpo.errors import InputError
+from megatron_arpo.errors import InputError, first_line
 from megatron_arpo.model_config import ARCH_FIELDS, MODEL_CONFIG_DIR, load_model_config, model_config_from_hf
 from megatron_arpo.tools.base import ToolError, TransportError
 from megatron_arpo.tools.containment import SandboxUnavailable
@@ -213,8 +213,7 @@ def tokenizer_problems(cfg: Any) -> list[str]:
     except ChatFormatError as exc:
         return [f"{key}: {exc}"]
     except Exception as exc:  # transformers raises many types for broken tokenizer files
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        return [f"{key}: cannot load the tokenizer in {tok_dir} ({first}); restore the tokenizer files of the base "
+        return [f"{key}: cannot load the tokenizer in {tok_dir} ({first_line(exc)}); restore the tokenizer files of the base "
                 f"model, or set model.tokenizer"]
     return []
 

@@ -69,8 +69,6 @@ logger = logging.getLogger(__name__)
 
 ROLES = ("policy", "reference")
 DEFAULT_EXPORT_BUCKET_BYTES = 512 * 2**20
-TE_AT_EXPERT_PARALLEL = ("packed THD micro-batches (Transformer Engine) at actor.expert_parallel > 1 are not padded "
-                         "to the expert-parallel group's micro-batch schedule yet; set actor.use_te: false")
 MAX_AGREED_MICRO_BATCHES = 1024  # EP > 1: micro-batches per pass the schedule agreement carries (one all-reduce)
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -141,7 +139,9 @@ class MegatronActorWorker:
         budget = max(self.actor.micro_batch_tokens, self.actor.logprob_micro_batch_tokens or 0)
         self.use_te = model_builder.resolve_use_te(self.actor.use_te_flag, micro_batch_tokens=budget)
         if self.use_te and self.parallel.ep > 1:  # at start-up, not at the first pass (_agree_plans)
-            raise NotImplementedError(TE_AT_EXPERT_PARALLEL)
+            raise NotImplementedError("packed THD micro-batches (Transformer Engine) at actor.expert_parallel > 1 "
+                                      "are not padded to the expert-parallel group's micro-batch schedule yet; set "
+                                      "actor.use_te: false")
         self.params_dtype = _DTYPES[self.actor.params_dtype]
         model = model_builder.build_gpt_model(
             self.model_cfg, tensor_parallel=self.tp, pipeline_parallel=self.pp, params_dtype=self.params_dtype,
@@ -297,9 +297,7 @@ class MegatronActorWorker:
         # deferred: pulls in megatron-core (heavy; this module imports without it)
         from megatron.core import parallel_state
 
-        if self.use_te:
-            raise NotImplementedError(TE_AT_EXPERT_PARALLEL)
-        group = parallel_state.get_expert_tensor_and_model_parallel_group()
+        group = parallel_state.get_expert_tensor_and_model_parallel_group()  # no TE here: refused at init
         limit = 1 + 2 * MAX_AGREED_MICRO_BATCHES
         if len(plans) > MAX_AGREED_MICRO_BATCHES:
             raise ValueError(f"{len(plans)} micro-batches on one rank; at expert_parallel > 1 at most "

@@ -34,7 +34,15 @@ from typing import Mapping
 logger = logging.getLogger(__name__)
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
-SLURM_SIZE = re.compile(r"^\d+[KMGT]?$")
+SLURM_SIZE = re.compile(r"^(\d+)([KMGT]?)$")  # a Slurm memory size: 480G, 400M, 2T; no suffix = MiB
+
+
+def slurm_size_bytes(value: object) -> int | None:
+    """Bytes of a Slurm memory size (``480G``, ``400M``, ``2T``; no suffix = MiB); None for anything else."""
+    match = SLURM_SIZE.match(str(value)) if value is not None else None
+    if not match:
+        return None
+    return int(match.group(1)) * 1024 ** ("KMGT".index(match.group(2) or "M") + 1)
 
 
 def resource_problems(la) -> list[str]:

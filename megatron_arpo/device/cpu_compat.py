@@ -145,10 +145,7 @@ def apply_cpu_compat() -> bool:
     if not _patched:
         _check_version()
         # deferred: pulls in megatron-core (heavy; this module imports without it)
-        from megatron.core.tensor_parallel import random as mcore_random
-
-        # deferred: pulls in megatron-core (heavy; this module imports without it)
-        from megatron.core.tensor_parallel import mappings
+        from megatron.core.tensor_parallel import mappings, random as mcore_random
 
         for name in _MAPPING_HELPERS:
             setattr(mappings, name, _under_cpu_mode(getattr(mappings, name)))

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from megatron_arpo.algo.off_policy import sequence_weights, token_lags
+from megatron_arpo.errors import first_line
 from megatron_arpo.rollout.buffer import BufferedGroup, RolloutBuffer
 from megatron_arpo.trainer import steps
 from megatron_arpo.trainer.signals import StepAborted
@@ -95,7 +96,7 @@ class OffPolicyLoop:
             if is_engine_death(exc):
                 logger.warning("off-policy: an engine actor died during batch %d (%s); its %d in-flight groups are "
                                "lost and their prompts drawn again; restarting the engine", number,
-                               _first_line(exc), len(prompts))
+                               first_line(exc), len(prompts))
             raise
         finally:
             self.busy_s += time.perf_counter() - start
@@ -247,7 +248,7 @@ class OffPolicyLoop:
             if exc is not None:  # raised by an engine actor but every engine answers: not a death to mend here
                 raise exc
             return
-        cause = _first_line(exc) if exc is not None else "its health call failed"
+        cause = first_line(exc) if exc is not None else "its health call failed"
         if self.restart_engine is None or self.restarts + len(dead) > self.max_restarts:
             raise RuntimeError(
                 f"vLLM engine {', '.join(map(str, dead))} died ({cause}) after {self.restarts} engine "
@@ -361,11 +362,6 @@ async def find_dead_engines(engines: Sequence[Any], exc: Optional[BaseException]
             if is_engine_death(probe_exc):
                 dead.add(handle.index)
     return sorted(dead)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def abandon_step(rt: Runtime, sampler_before: dict) -> None:

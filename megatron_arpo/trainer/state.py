@@ -22,6 +22,7 @@ from megatron_arpo.cluster.runtime import RayConnection
 from megatron_arpo.config import ExperimentConfig
 from megatron_arpo.data.chat import ChatFormat
 from megatron_arpo.data.sampler import EpochSampler
+from megatron_arpo.errors import first_line
 from megatron_arpo.rewards import RewardFn
 from megatron_arpo.rollout.group import RolloutGroup
 from megatron_arpo.rollout.protocol import TagProtocol
@@ -131,8 +132,7 @@ class Runtime:
                 return self.loop.run_until_complete(_cancellable(asyncio.wait_for(coro, timeout), cancel_when, what))
             return self.loop.run_until_complete(asyncio.wait_for(coro, timeout))
         except RayActorError as exc:  # the only actors awaited here are the engines
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise RuntimeError(f"{what} failed: a vLLM engine actor died ({first}); its log is in the Ray session "
+            raise RuntimeError(f"{what} failed: a vLLM engine actor died ({first_line(exc)}); its log is in the Ray session "
                                f"dir (logs/worker-*.err)") from exc
         except asyncio.TimeoutError as exc:
             raise TimeoutError(f"{what} did not finish within {timeout:.0f} s ({timeout_key}); "

@@ -8,13 +8,14 @@ Bad input: no GPU outside the dry run exits 2, a missing wheels folder names `ma
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from support.scripts import load_script
 
 pytestmark = pytest.mark.slow
 
@@ -23,10 +24,7 @@ SCRIPT = ROOT / "tools" / "gpu_smoke.py"
 
 
 def _load_script():
-    spec = importlib.util.spec_from_file_location("gpu_smoke", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("tools/gpu_smoke.py", "gpu_smoke")
 
 
 def _run(tmp: Path, *args: str, timeout: float = 900) -> tuple[subprocess.CompletedProcess, dict | None]:

@@ -2,23 +2,17 @@
 summary arithmetic (tokens/s over the steps' wall time, idle shares, min/median/max, ratios vs sync)."""
 
 import asyncio
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
 from megatron_arpo.tools.search import HttpRetrieverBackend, LocalBM25Backend
-
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "off_policy.py"
+from support.scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("off_policy_benchmark", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/off_policy.py", "off_policy_benchmark")
 
 
 def test_latency_retriever_answers_like_the_local_bm25(bench, tmp_path):

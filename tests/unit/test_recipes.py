@@ -206,19 +206,12 @@ def test_planner_says_moe_recipe_fits_in_every_phase(recipe, gpu):
     assert "EP=2 expert TP=4" in out
 
 
-def test_moe_doc_shows_the_moe_recipes_current_plan():
-    doc = (ROOT / "docs" / "moe.md").read_text()
-    for recipe in MOE_RECIPES:
+@pytest.mark.parametrize(("page", "recipes"), [("off_policy.md", OFFPOLICY_RECIPES), ("moe.md", MOE_RECIPES)])
+def test_doc_pages_show_their_recipes_current_plan(page, recipes):
+    doc = (ROOT / "docs" / page).read_text()
+    for recipe in recipes:
         assert f"megatron-arpo plan --config {recipe} --gpu h100-80g" in doc
-        stale = "docs/moe.md is stale: run `python tests/unit/test_recipes.py` and paste its blocks"
-        assert plan_output(recipe)[1] in doc, f"{stale} ({recipe} plan)"
-
-
-def test_off_policy_doc_shows_the_offpolicy_recipes_current_plan():
-    doc = (ROOT / "docs" / "off_policy.md").read_text()
-    for recipe in OFFPOLICY_RECIPES:
-        assert f"megatron-arpo plan --config {recipe} --gpu h100-80g" in doc
-        stale = "docs/off_policy.md is stale: run `python tests/unit/test_recipes.py` and paste its blocks"
+        stale = f"docs/{page} is stale: run `python tests/unit/test_recipes.py` and paste its blocks"
         assert plan_output(recipe)[1] in doc, f"{stale} ({recipe} plan)"
 
 

@@ -2,23 +2,17 @@
 options map from the config's rollout section."""
 
 import asyncio
-import importlib.util
-from pathlib import Path
 
 import pytest
 
 from megatron_arpo.rollout.engine import EngineConfig
 from megatron_arpo.rollout.scheduler import RolloutOptions
-
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "rollout.py"
+from support.scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("rollout_benchmark", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/rollout.py", "rollout_benchmark")
 
 
 def test_arpo_needs_at_most_0_6x_the_tool_calls_of_grpo(bench):
