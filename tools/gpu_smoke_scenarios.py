@@ -486,21 +486,57 @@ def _random_init_worker(ctx: Context, cfg: ModelConfig, seq: int, tokens: int):
 
 
 def memory_shape(ctx: Context, layers: int) -> dict:
-    """One shape in a fresh process: build, one update over one full micro-batch; the allocator's peaks."""
+    """One shape in a fresh process: build, two updates over one full micro-batch; the allocator's peaks in
+    the second."""
     from megatron_arpo.fake_cuda.memory_probe import probe_batch
 
     cfg = dataclasses.replace(load_model_config(MEMORY_BASE), name=f"{MEMORY_BASE}-{layers}l", num_hidden_layers=layers)
     with device_session(ctx):
-        if torch.cuda.is_available():
-            torch.cuda.reset_peak_memory_stats()
         worker = _random_init_worker(ctx, cfg, MEMORY_SEQ, MEMORY_TOKENS)
-        worker.update(probe_batch(MEMORY_SEQ, MEMORY_TOKENS, 1, cfg.vocab_size))
+        batch = probe_batch(MEMORY_SEQ, MEMORY_TOKENS, 1, cfg.vocab_size)
+        # The planner's peak is the steady state: Adam's moments (8 B per parameter), which the first step
+        # creates, are held through every later forward and backward. So the second update is measured.
+        worker.update(batch)
+        if device_memory() is not None:
+            torch.cuda.reset_peak_memory_stats()
+        worker.update(batch)
         peaks = None
         if device_memory() is not None:
             peaks = {"max_allocated": torch.cuda.max_memory_allocated(), "max_reserved": torch.cuda.max_memory_reserved()}
         worker.shutdown()
     return {"layers": layers, "params": planner.rank_param_counts(cfg).total,
             "predicted": predicted_bytes(cfg, MEMORY_TOKENS, MEMORY_SEQ), "measured": peaks}
+
+
+def memory_census(ctx: Context, layers: int) -> dict:
+    """The same shape's update under torch's MemTracker, as the fake-CUDA probe runs it: the bytes of each
+    planner line at the forward/backward peak and at the optimizer step's, the activations one micro-batch
+    keeps, and the allocator's peak before the step. A diagnostic for the planner's calibration."""
+    from megatron_arpo.fake_cuda.memory_probe import breakdown, probe_batch, tracked_update
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    cfg = dataclasses.replace(load_model_config(MEMORY_BASE), name=f"{MEMORY_BASE}-{layers}l", num_hidden_layers=layers)
+    with device_session(ctx):
+        worker = _random_init_worker(ctx, cfg, MEMORY_SEQ, MEMORY_TOKENS)
+        batch = probe_batch(MEMORY_SEQ, MEMORY_TOKENS, 1, cfg.vocab_size)
+        worker.update(batch)  # the steady state, as memory_shape measures it: Adam's moments exist
+        if device_memory() is not None:
+            torch.cuda.reset_peak_memory_stats()
+        allocator: dict = {}
+
+        def before_step(*_) -> None:  # a step pre-hook returns None (or new args)
+            allocator.setdefault("before_step", torch.cuda.max_memory_allocated() if device_memory() else None)
+
+        hook = register_optimizer_step_pre_hook(before_step)
+        try:
+            tracked = tracked_update(worker, batch, next(worker.model.parameters()).device)
+        finally:
+            hook.remove()
+        worker.shutdown()
+    grads, main = tracked["grads"], tracked["main"]
+    return {"forward_backward": breakdown(tracked["train_peak"], grads, main),
+            "optimizer_step": breakdown(tracked["peak"], grads, main), "kept": tracked["kept"],
+            "allocator_before_step": allocator.get("before_step")}
 
 
 def memory(ctx: Context, result: Result) -> None:
@@ -533,6 +569,23 @@ def memory(ctx: Context, result: Result) -> None:
         result.number(f"{tag}.ratio_allocated", predicted / allocated)
         result.check(f"{tag}: planner within {MEMORY_TOLERANCE:.0%} of max_memory_reserved",
                      abs(predicted / reserved - 1) <= MEMORY_TOLERANCE, f"ratio {predicted / reserved:.3f}")
+    # Where the prediction and the device part: each planner line at two shapes (their difference is per layer).
+    for layers in shapes[:2]:
+        try:
+            census = run_child("memory_census", ctx, {"layers": layers}, timeout=240)
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:
+            result.note(f"{layers}l census failed: {str(exc)[-300:]}")
+            continue
+        predicted = predicted_bytes(dataclasses.replace(load_model_config(MEMORY_BASE), num_hidden_layers=layers),
+                                    MEMORY_TOKENS, MEMORY_SEQ)
+        for line in ("params", "grads", "optimizer", "activations", "temporaries"):
+            result.number(f"{layers}l.planner.{line}_gib", predicted[line] / 2**30)
+        for phase in ("forward_backward", "optimizer_step"):
+            for line, value in census[phase].items():
+                result.number(f"{layers}l.census.{phase}.{line}_gib", value / 2**30)
+        result.number(f"{layers}l.census.kept_per_micro_batch_gib", census["kept"] / 2**30)
+        if census["allocator_before_step"] is not None:
+            result.number(f"{layers}l.census.max_allocated_before_step_gib", census["allocator_before_step"] / 2**30)
 
 
 THROUGHPUT_BASE, THROUGHPUT_LAYERS = "qwen3-4b", 16
@@ -625,7 +678,7 @@ SCENARIOS: dict[str, Callable[[Context, Result], None]] = {
     "offload": offload, "ipc": ipc, "memory": memory, "throughput": throughput,
 }
 INJECTED = {"_fail": _fail, "_raise": _raise, "_hang": _hang, "_crash": _crash}
-CHILDREN = {"memory_shape": memory_shape}
+CHILDREN = {"memory_shape": memory_shape, "memory_census": memory_census}
 
 
 # ----------------------------------------------------------------------------------- child processes

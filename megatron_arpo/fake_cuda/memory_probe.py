@@ -199,11 +199,53 @@ def _tracker():
     return Tracker()
 
 
+def tracked_update(worker, batch: dict, device) -> dict[str, Any]:
+    """One ``worker.update(batch)`` under the tracker, on fake or real CUDA: MemTracker snapshots (bytes by
+    category) at the peak before the optimizer step (``train_peak``) and at the overall peak (``peak``), the
+    activations one micro-batch keeps at the end of its forward (``kept``), and the storage bytes of the grad
+    buffers and the fp32 main parameters (created before the tracker, so registered with it)."""
+    # deferred: pulls in torch (heavy; this module imports without it)
+    from torch.distributed._tools.mem_tracker import _ModState
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    inner = [getattr(o, "optimizer", o) for o in getattr(worker.optimizer, "chained_optimizers", [worker.optimizer])]
+    ddp = worker.ddp_model
+    grad_buffers = [b.grad_data for b in ddp.buffers + ddp.expert_parallel_buffers]
+    main_params = [p for opt in inner for g in opt.param_groups for p in g["params"]]
+    tracker = _tracker()
+    tracker.track_external(worker.model, *grad_buffers, *main_params, *inner)
+    before_step: dict = {}
+
+    def snapshot_before_step(optimizer, args, kwargs):
+        before_step.setdefault("peak", tracker.get_tracker_snapshot("peak"))
+
+    hook = register_optimizer_step_pre_hook(snapshot_before_step)
+    try:
+        with tracker:
+            worker.update(batch)
+    finally:
+        hook.remove()
+    # What one micro-batch keeps from its forward until its backward: the activations at the end of the
+    # stage's forward. 1F1B holds in_flight of them while the first backward of this stage runs.
+    after_fw = tracker.memory_tracking[worker.chunk].snapshots[_ModState.POST_FW][0][device]
+    return {"train_peak": before_step["peak"][device], "peak": tracker.get_tracker_snapshot("peak")[device],
+            "kept": after_fw.get("Activation", 0), "grads": _storage_bytes(grad_buffers),
+            "main": _storage_bytes(main_params)}
+
+
+def breakdown(snap: dict, grads: int, main: int, extra: int = 0) -> dict[str, int]:
+    """A MemTracker snapshot as the planner's lines (``extra``: activations of further in-flight micro-batches)."""
+    out = {"params": snap.get("Parameter", 0) + snap.get("Buffer", 0), "grads": grads,
+           "optimizer": snap.get("Optstate", 0) + main,
+           "activations": snap.get("Activation", 0) + extra, "temporaries": snap.get("Temp", 0)}
+    out["other"] = snap["Total"] + extra - sum(out.values())
+    return out
+
+
 def measure_stage(cfg, stage: int) -> dict[str, Any]:
     """Peak memory of global rank ``stage * tp * dp`` (tp 0, dp 0 of ``stage``); call in a fresh process."""
     # deferred: pulls in torch (heavy; this module imports without it)
     import torch
-    from torch.optim.optimizer import register_optimizer_step_pre_hook
 
     from megatron_arpo.fake_cuda.harness import fake_cuda
 
@@ -245,40 +287,17 @@ def measure_stage(cfg, stage: int) -> dict[str, Any]:
                 group["foreach"] = spec == "local"
         # Adam's moments exist from the first step on; a probe of the first step would otherwise miss them.
         init_empty_optimizer_state(worker.optimizer)
-        ddp = worker.ddp_model
-        grad_buffers = [b.grad_data for b in ddp.buffers + ddp.expert_parallel_buffers]
-        main_params = [p for opt in inner for g in opt.param_groups for p in g["params"]]
-        built_s = time.perf_counter() - start
-        tracker = _tracker()
-        tracker.track_external(worker.model, *grad_buffers, *main_params, *inner)
         batch = probe_batch(seq_len, actor.micro_batch_tokens, 1, model_cfg.vocab_size)
         if spec == "te-like":
             # Megatron's fused SwiGLU (what the TE spec's config turns on) keeps only the fc1 output; the
             # worker feeds TE's THD layout (one packed row, cu_seqlens, no dense mask) to the stand-ins.
             worker.model.config.bias_activation_fusion = True
             worker.use_te, worker.rope = True, None
-        before_step: dict = {}
-
-        def snapshot_before_step(optimizer, args, kwargs):
-            before_step.setdefault("peak", tracker.get_tracker_snapshot("peak"))
-
-        hook = register_optimizer_step_pre_hook(snapshot_before_step)
-        with tracker:
-            worker.update(batch)
-        hook.remove()
-        device = torch.device("cuda", session.local_rank)
-        peak = tracker.get_tracker_snapshot("peak")[device]
-        # deferred: pulls in torch (heavy; this module imports without it)
-        from torch.distributed._tools.mem_tracker import _ModState
-
-        # What one micro-batch keeps from its forward until its backward: the activations at the end of the
-        # stage's forward. 1F1B holds in_flight of them while the first backward of this stage runs.
-        after_fw = tracker.memory_tracking[worker.chunk].snapshots[_ModState.POST_FW][0][device]
-        kept_per_micro_batch = after_fw.get("Activation", 0)
-        train_peak = before_step["peak"][device]
+        built_s = time.perf_counter() - start
+        tracked = tracked_update(worker, batch, torch.device("cuda", session.local_rank))
+        train_peak, peak, kept_per_micro_batch = tracked["train_peak"], tracked["peak"], tracked["kept"]
+        grads, main = tracked["grads"], tracked["main"]
         num_params = sum(p.numel() for p in worker.model.parameters())
-        grads = _storage_bytes(grad_buffers)
-        main = _storage_bytes(main_params)
         micro_batches = len(worker._plan([seq_len] * len(batch["input_ids"]), actor.micro_batch_tokens))
         assert micro_batches == 1, micro_batches
         worker.shutdown()
@@ -286,17 +305,10 @@ def measure_stage(cfg, stage: int) -> dict[str, Any]:
         fn()
     extra_in_flight = (in_flight - 1) * kept_per_micro_batch
 
-    def breakdown(snap, extra):
-        out = {"params": snap.get("Parameter", 0) + snap.get("Buffer", 0), "grads": grads,
-               "optimizer": snap.get("Optstate", 0) + main,
-               "activations": snap.get("Activation", 0) + extra, "temporaries": snap.get("Temp", 0)}
-        out["other"] = snap["Total"] + extra - sum(out.values())
-        return out
-
     # The forward/backward peak holds the in-flight micro-batches; the optimizer step comes after the last
     # backward, with every micro-batch's activations released.
-    phases = {"forward_backward": breakdown(train_peak, extra_in_flight),
-              "optimizer_step": breakdown(peak, 0) if peak["Total"] > train_peak["Total"] else None}
+    phases = {"forward_backward": breakdown(train_peak, grads, main, extra_in_flight),
+              "optimizer_step": breakdown(peak, grads, main) if peak["Total"] > train_peak["Total"] else None}
     worst = max((p for p in phases.values() if p), key=lambda p: sum(p.values()))
     total = sum(worst.values())
     return {"stage": stage, "rank": rank, "world": world, "tp": tp, "pp": pp, "dp": dp,
