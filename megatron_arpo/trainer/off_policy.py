@@ -71,7 +71,8 @@ class OffPolicyLoop:
         self.waited_s = 0.0                # actor waiting for a batch or for the last call before the sync
         self.step_start = time.perf_counter()
         self.take_info: dict[str, float] = {}
-        self.taken: list[BufferedGroup] = []   # the step's batch, until its update starts
+        self.taken: list[BufferedGroup] = []   # the step's batch (and below its calls' counters), for put_back
+        self.taken_stats: dict[str, float] = {}
         self.lags: list[list[int]] = []         # the step's token lags (add_behaviour_weights)
 
     # ------------------------------------------------------------------ producer
@@ -103,10 +104,7 @@ class OffPolicyLoop:
         steps.check_tool_backends(result.trajectories(), number)
         self.buffer.put([BufferedGroup(p.prompt_id, list(p.token_ids), i, g)
                          for p, i, g in zip(prompts, indices, result.groups)])
-        for key, value in result.stats.items():
-            if isinstance(value, (int, float)):
-                old = self.stats.get(key, 0.0)
-                self.stats[key] = max(old, value) if key in _STAT_KEYS_MAX else old + value
+        add_stats(self.stats, result.stats)
         self.next_batch += 1
         logger.info("off-policy: batch %d generated on policy version %d (%d groups buffered)", number,
                     rt.group.engines[0].version, len(self.buffer))
@@ -121,6 +119,8 @@ class OffPolicyLoop:
         rt = self.rt
         self.step_start = time.perf_counter()
         self.busy_s = self.waited_s = 0.0
+        # Nothing taken yet: a stop that cancels this take puts back nothing (the last batch was trained).
+        self.taken, self.taken_stats = [], {}
         version = rt.policy_version
         dropped_before = self.buffer.counters["dropped_stale"]
 
@@ -162,6 +162,7 @@ class OffPolicyLoop:
             for traj in group.trajectories:
                 traj.prompt_index = position
         stats, self.stats = self.stats, {}
+        self.taken_stats = stats
         self.take_info = {"dropped": float(self.buffer.counters["dropped_stale"] - dropped_before)}
         result = RolloutResult(groups=[g.trajectories for g in groups],
                                prompt_info=[{"prompt_id": g.prompt_id} for g in groups], stats=stats)
@@ -169,9 +170,11 @@ class OffPolicyLoop:
         return prompts, [g.dataset_index for g in groups], result
 
     def put_back(self) -> None:
-        """An abandoned step: its batch waits in the buffer for the resumed step."""
+        """An abandoned step: its batch waits in the buffer for the resumed step, and its calls' counters
+        for that step's row."""
         self.buffer.put_back(self.taken)
-        self.taken = []
+        add_stats(self.stats, self.taken_stats)
+        self.taken, self.taken_stats = [], {}
 
     def add_behaviour_weights(self, batch: dict[str, Any], trajectories: list) -> dict[str, float]:
         """``behav_weights`` for the batch (only when a token is older than the trained version: at lag 0
@@ -306,7 +309,9 @@ class OffPolicyLoop:
         return out
 
     def state(self) -> dict[str, Any]:
-        return {"next_batch": self.next_batch, "buffer": BUFFER_FILE}
+        """The checkpoint's ``off_policy`` entry; ``stats``: the counters of the calls finished since the last
+        take, which the next step's row reports (``rollout/*``, ``tools/errors``)."""
+        return {"next_batch": self.next_batch, "buffer": BUFFER_FILE, "stats": dict(self.stats)}
 
     def save(self, checkpoint: Path) -> None:
         self.buffer.save(Path(checkpoint) / BUFFER_FILE)
@@ -327,7 +332,16 @@ class OffPolicyLoop:
             return
         self.next_batch = int(state["next_batch"])
         self.buffer.load(path)
+        self.stats = {k: float(v) for k, v in (state.get("stats") or {}).items()}
         logger.info("off-policy: resumed with %d buffered groups, next batch %d", len(self.buffer), self.next_batch)
+
+
+def add_stats(into: dict[str, float], stats: dict[str, Any]) -> None:
+    """Fold one call's (or one step's) scheduler counters into ``into``: summed, the maxima kept."""
+    for key, value in stats.items():
+        if isinstance(value, (int, float)):
+            old = into.get(key, 0.0)
+            into[key] = max(old, value) if key in _STAT_KEYS_MAX else old + value
 
 
 def start_off_policy(rt: Runtime, restart_engine: Optional[Callable[[int], None]] = None) -> Optional[OffPolicyLoop]:
