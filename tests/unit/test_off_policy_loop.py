@@ -178,10 +178,16 @@ def test_a_stop_before_the_update_abandons_the_step_and_keeps_its_batch(tmp_path
     assert taken_tokens > 0 and next_tokens > 0
     abandon_step(rt, rt.sampler.state_dict())
     assert len(rt.off_policy.buffer) == 2 * BATCH  # batch 1 back in front of batch 2
-    prompts, _, result = rt.off_policy.take_batch(1)
+    # through a checkpoint, as a stop saves it
+    state = json.loads(json.dumps(rt.off_policy.state()))
+    rt.off_policy.save(tmp_path)
+    resumed = make_runtime(tmp_path / "r", max_staleness=1, total_steps=3)
+    resumed.off_policy.restore(tmp_path, state)
+    prompts, _, result = resumed.off_policy.take_batch(1)
     assert [p.prompt_id for p in prompts] == taken  # the resumed step trains the same batch
-    # and its row counts the calls of both batches finished since the last trained step's take
-    assert result.stats["generated_tokens"] == taken_tokens + next_tokens
+    # each row counts what it would have without the stop: step 1 batch 1's call, step 2 batch 2's
+    assert result.stats["generated_tokens"] == taken_tokens
+    assert resumed.off_policy.stats["generated_tokens"] == next_tokens  # for the next step's row
 
 
 def test_a_stop_that_cancels_the_wait_for_a_batch_puts_back_nothing_already_trained(tmp_path):
