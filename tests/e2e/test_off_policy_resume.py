@@ -199,6 +199,9 @@ def test_a_killed_engine_is_replaced_and_the_resumed_run_finishes(chain):
     # the count is the process's: it starts at 0 in the resumed run (docs/off_policy.md)
     assert rows[chain.resumed_from]["offpolicy/engine_restarts_total"] == 0.0
     assert rows[-1]["offpolicy/engine_restarts_total"] == 1.0
+    # the groups of a call the death interrupted are counted (none when the health probe found it between calls)
+    lost = text.count("off-policy: an engine actor died during batch") * BATCH
+    assert rows[-1]["offpolicy/dropped_in_flight_total"] == lost
 
 
 def test_the_resumed_steps_equal_an_uninterrupted_runs(chain):
