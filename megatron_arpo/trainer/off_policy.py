@@ -19,9 +19,11 @@ finished groups go into the ``RolloutBuffer`` (megatron_arpo/rollout/buffer.py).
 With ``max_staleness: 0`` step 3 never admits a batch, so each batch is generated after the previous
 update's sync, at the version it trains: the trajectories and the losses of sync mode, bit for bit.
 
-A checkpoint (taken between steps, when no call runs) saves the buffer's finished groups and the next
-batch number; the resumed run continues exactly. A call cancelled by a stop request loses its groups
-(counted as dropped in flight) and gives its prompts back to the sampler.
+A checkpoint (taken between steps, when no call runs) saves the buffer's finished groups, the next
+batch number and the counters of the calls finished since the last take; the resumed run trains those
+groups first and continues the batch numbers. A call cancelled by a stop request loses its groups
+(counted as dropped in flight) and gives its prompts back to the sampler; a step abandoned before its
+update puts its batch back in front (docs/off_policy.md, "Checkpoints and resume").
 
 An engine actor that dies during a call loses that call's groups only (counted as dropped in flight, their
 prompts drawn again): ``restart_dead_engines`` replaces it on its placement and syncs the current weights
@@ -71,7 +73,10 @@ class OffPolicyLoop:
         self.waited_s = 0.0                # actor waiting for a batch or for the last call before the sync
         self.step_start = time.perf_counter()
         self.take_info: dict[str, float] = {}
-        self.taken: list[BufferedGroup] = []   # the step's batch, until its update starts
+        self.taken: list[BufferedGroup] = []   # the step's batch (and below its calls' counters), for put_back
+        self.taken_stats: dict[str, float] = {}
+        # an abandoned step's counters: the step that takes its batch again reports them (then self.stats)
+        self.put_back_stats: Optional[dict[str, float]] = None
         self.lags: list[list[int]] = []         # the step's token lags (add_behaviour_weights)
 
     # ------------------------------------------------------------------ producer
@@ -121,6 +126,8 @@ class OffPolicyLoop:
         rt = self.rt
         self.step_start = time.perf_counter()
         self.busy_s = self.waited_s = 0.0
+        # Nothing taken yet: a stop that cancels this take puts back nothing (the last batch was trained).
+        self.taken, self.taken_stats = [], {}
         version = rt.policy_version
         dropped_before = self.buffer.counters["dropped_stale"]
 
@@ -161,7 +168,11 @@ class OffPolicyLoop:
         for position, group in enumerate(groups):
             for traj in group.trajectories:
                 traj.prompt_index = position
-        stats, self.stats = self.stats, {}
+        if self.put_back_stats is not None:  # an abandoned step's batch: its row as it would have been
+            stats, self.put_back_stats = self.put_back_stats, None
+        else:
+            stats, self.stats = self.stats, {}
+        self.taken_stats = stats
         self.take_info = {"dropped": float(self.buffer.counters["dropped_stale"] - dropped_before)}
         result = RolloutResult(groups=[g.trajectories for g in groups],
                                prompt_info=[{"prompt_id": g.prompt_id} for g in groups], stats=stats)
@@ -169,9 +180,11 @@ class OffPolicyLoop:
         return prompts, [g.dataset_index for g in groups], result
 
     def put_back(self) -> None:
-        """An abandoned step: its batch waits in the buffer for the resumed step."""
+        """An abandoned step: its batch waits in the buffer for the resumed step, and its calls' counters
+        for that step's row."""
         self.buffer.put_back(self.taken)
-        self.taken = []
+        self.put_back_stats = self.taken_stats
+        self.taken, self.taken_stats = [], {}
 
     def add_behaviour_weights(self, batch: dict[str, Any], trajectories: list) -> dict[str, float]:
         """``behav_weights`` for the batch (only when a token is older than the trained version: at lag 0
@@ -306,7 +319,11 @@ class OffPolicyLoop:
         return out
 
     def state(self) -> dict[str, Any]:
-        return {"next_batch": self.next_batch, "buffer": BUFFER_FILE}
+        """The checkpoint's ``off_policy`` entry. ``stats``: the counters of the calls finished since the last
+        take, which the next step's row reports (``rollout/*``, ``tools/errors``); ``put_back_stats``: those
+        of a step abandoned by the stop, reported before them by the step that trains its batch."""
+        return {"next_batch": self.next_batch, "buffer": BUFFER_FILE, "stats": dict(self.stats),
+                "put_back_stats": self.put_back_stats}
 
     def save(self, checkpoint: Path) -> None:
         self.buffer.save(Path(checkpoint) / BUFFER_FILE)
@@ -327,6 +344,9 @@ class OffPolicyLoop:
             return
         self.next_batch = int(state["next_batch"])
         self.buffer.load(path)
+        self.stats = {k: float(v) for k, v in (state.get("stats") or {}).items()}
+        put_back = state.get("put_back_stats")
+        self.put_back_stats = {k: float(v) for k, v in put_back.items()} if put_back is not None else None
         logger.info("off-policy: resumed with %d buffered groups, next batch %d", len(self.buffer), self.next_batch)
 
 

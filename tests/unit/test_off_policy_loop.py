@@ -5,6 +5,7 @@ actor and engines run in tests/integration/test_off_policy_train.py."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -18,7 +19,7 @@ from megatron_arpo.data.sampler import EpochSampler
 from megatron_arpo.rollout.trajectory import NOT_SAMPLED
 from megatron_arpo.trainer.metrics import PhaseTimer, metric_pattern
 from megatron_arpo.trainer import steps
-from megatron_arpo.trainer.off_policy import BUFFER_FILE, OffPolicyLoop
+from megatron_arpo.trainer.off_policy import BUFFER_FILE, OffPolicyLoop, abandon_step
 from megatron_arpo.trainer.signals import StepAborted
 from megatron_arpo.trainer.state import PromptSet, Runtime
 from scheduler_helpers import CODEC, RESULT, Counter, ScriptedStep, make_scheduler, table
@@ -166,14 +167,41 @@ def test_the_engines_generate_during_the_log_probs_too(tmp_path):
 
 
 def test_a_stop_before_the_update_abandons_the_step_and_keeps_its_batch(tmp_path):
-    rt = make_runtime(tmp_path, max_staleness=1, total_steps=3)
+    # the stop arrives once the engines started batch 2 (the log-prob pass waits for that): batch 2 finishes
+    rt = make_runtime(tmp_path, max_staleness=1, total_steps=3, wait_for_call="logprob")
     with pytest.raises(StepAborted, match="before its update"):
-        one_step(rt, 1, stop_requested=lambda: True)
+        one_step(rt, 1, stop_requested=rt.actor.started.is_set)
     assert rt.actor.updates == [] and rt.policy_version == 0
     taken = [g.prompt_id for g in rt.off_policy.taken]
-    rt.off_policy.put_back()  # abandon_step
-    prompts, _, _ = rt.off_policy.take_batch(1)
+    taken_tokens = rt.off_policy.taken_stats["generated_tokens"]
+    next_tokens = rt.off_policy.stats["generated_tokens"]  # batch 2, generated before the stop was served
+    assert taken_tokens > 0 and next_tokens > 0
+    abandon_step(rt, rt.sampler.state_dict())
+    assert len(rt.off_policy.buffer) == 2 * BATCH  # batch 1 back in front of batch 2
+    # through a checkpoint, as a stop saves it
+    state = json.loads(json.dumps(rt.off_policy.state()))
+    rt.off_policy.save(tmp_path)
+    resumed = make_runtime(tmp_path / "r", max_staleness=1, total_steps=3)
+    resumed.off_policy.restore(tmp_path, state)
+    prompts, _, result = resumed.off_policy.take_batch(1)
     assert [p.prompt_id for p in prompts] == taken  # the resumed step trains the same batch
+    # each row counts what it would have without the stop: step 1 batch 1's call, step 2 batch 2's
+    assert result.stats["generated_tokens"] == taken_tokens
+    assert resumed.off_policy.stats["generated_tokens"] == next_tokens  # for the next step's row
+
+
+def test_a_stop_that_cancels_the_wait_for_a_batch_puts_back_nothing_already_trained(tmp_path):
+    rt = make_runtime(tmp_path, max_staleness=0)
+    first = one_step(rt, 1)  # max_staleness 0: the buffer is empty after it, step 2 waits for its batch
+    rt.group.engines[0].target.latency_s = 3600.0  # the call never finishes by itself
+    before = rt.sampler.state_dict()
+    with pytest.raises(StepAborted):
+        rt.off_policy.take_batch(2, cancel_when=lambda: True)
+    abandon_step(rt, before)
+    # step 1's batch was trained: the checkpoint the stop saves next must not hold it again
+    assert len(rt.off_policy.buffer) == 0, [g.prompt_id for g in rt.off_policy.buffer.groups]
+    assert rt.off_policy.buffer.counters["dropped_in_flight"] == BATCH
+    assert rt.sampler.state_dict() == before and first["indices"] == [0, 1]
 
 
 def test_a_checkpoint_restores_the_buffer_and_the_next_batch(tmp_path):
@@ -184,6 +212,8 @@ def test_a_checkpoint_restores_the_buffer_and_the_next_batch(tmp_path):
     rt.off_policy.save(ckpt)
     state = rt.off_policy.state()
     assert (ckpt / BUFFER_FILE).exists() and state["next_batch"] == 3
+    assert state["stats"]["generated_tokens"] > 0  # batch 2's call, reported by step 2's row
+    state = json.loads(json.dumps(state))  # as state.json holds it
     rt.step = 1
     resumed = make_runtime(tmp_path / "r", max_staleness=1, total_steps=4)
     resumed.step, resumed.policy_version = 1, 1
@@ -192,9 +222,10 @@ def test_a_checkpoint_restores_the_buffer_and_the_next_batch(tmp_path):
         handle.target.version = 1
     resumed.off_policy.restore(ckpt, state)
     assert [g.to_dict() for g in resumed.off_policy.buffer.groups] == [g.to_dict() for g in rt.off_policy.buffer.groups]
-    prompts_a, _, _ = rt.off_policy.take_batch(2)
-    prompts_b, _, _ = resumed.off_policy.take_batch(2)
+    prompts_a, _, result_a = rt.off_policy.take_batch(2)
+    prompts_b, _, result_b = resumed.off_policy.take_batch(2)
     assert [p.prompt_id for p in prompts_a] == [p.prompt_id for p in prompts_b]
+    assert result_b.stats == result_a.stats
 
 
 def test_a_cancelled_call_counts_its_groups_and_gives_its_prompts_back(tmp_path):
