@@ -1,13 +1,18 @@
-"""Routing replay (R3): ``actor.moe_routing_replay`` in the config, and a micro-batch's recorded-expert layout."""
+"""Routing replay (R3): ``actor.moe_routing_replay`` in the config, each trajectory token's recorded experts
+(branches included), and their layout in a packed micro-batch."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from megatron_arpo.actor import packing
 from megatron_arpo.actor.routing_replay import NOT_RECORDED, gather_routing, split_recorded
 from megatron_arpo.config import ConfigError
+from megatron_arpo.rollout.scheduler import RolloutPrompt
+from megatron_arpo.rollout.trajectory import Trajectory
+from scheduler_helpers import PROMPT, ScriptedRng, make_scheduler, reference_script, run
 from support.configs import tiny_config
 
 MOE = {"config": "tiny-qwen3-moe"}
@@ -54,3 +59,51 @@ def test_a_sequence_without_routing_is_left_to_the_router_and_bad_shapes_are_nam
     assert int((rows != NOT_RECORDED).all(dim=(-1, -2)).sum()) == 3
     with pytest.raises(ValueError, match=r"sequence 0: routed_experts has shape \(4, 1, 2\); expected \(4, 2, 2\)"):
         gather_routing(plan, [torch.zeros(4, 1, 2), _routing(3, 1)], 2, 2)
+
+
+# ------------------------------------------------------------------ rollout side: each token keeps its experts
+def _fake_routing(tokens) -> list:
+    """Two layers, top-2: a token's experts are a function of its id, so misalignment shows."""
+    return [[[t % 4, (t + 1) % 4], [(t + 2) % 4, (t + 3) % 4]] for t in tokens]
+
+
+def _routing_engine(engine):
+    """The scripted engine returning vLLM's routed experts: every context token and all generated but the last."""
+    generate = engine.generate
+
+    async def with_routing(request):
+        out = await generate(request)
+        out.routed_experts = np.array(_fake_routing(list(request.prompt_token_ids) + out.token_ids[:-1]), np.uint8)
+        return out
+
+    engine.generate = with_routing
+    return engine
+
+
+def test_trajectories_keep_each_tokens_experts_branches_included():
+    sched, engines = make_scheduler(reference_script(), rng=ScriptedRng({"q0/0": [0.1, 0.3], "q0/1": [0.9]}), n=4,
+                                    initial_rollouts=2, beam_size=2, branch_threshold=0.5, entropy_weight=0.2,
+                                    branch_timing="reference", call_limit=5, response_length=1000)
+    for engine in engines:
+        _routing_engine(engine)
+    (group,) = run(sched, [RolloutPrompt("q0", PROMPT)]).groups
+    assert any(t.origin == "branch" for t in group)
+    for traj in group:
+        context = traj.context()
+        rows = traj.routing_rows(2, 2)
+        assert len(rows) == len(context)
+        assert rows[:-1] == _fake_routing(context[:-1])
+        assert rows[-1] == [[-1, -1], [-1, -1]]  # the last sampled token was never forwarded
+
+
+def test_a_fork_inherits_its_prefix_routing_and_truncate_cuts_it():
+    traj = Trajectory(prompt_id="p", prompt_index=0, traj_id="p/0", index=0, origin="initial", parent_id=None,
+                      branch_offset=None, prompt_token_ids=[5, 6])
+    traj.append([7, 8, 9, 10], [0.0] * 4, 1, 0)
+    traj.record_routing(np.array(_fake_routing([5, 6, 7, 8, 9])))
+    child = traj.fork("p/0/b", 1, 2)
+    assert child.routed_experts == _fake_routing([5, 6, 7, 8])
+    traj.truncate(1)
+    assert traj.routing_rows(2, 2) == _fake_routing([5, 6, 7])
+    with pytest.raises(ValueError, match="routing for 4 tokens but the context has 3"):
+        traj.record_routing(_fake_routing([5, 6, 7, 8]))
