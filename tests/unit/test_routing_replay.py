@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -14,6 +16,7 @@ from megatron_arpo.rollout.scheduler import RolloutPrompt
 from megatron_arpo.rollout.trajectory import Trajectory
 from scheduler_helpers import PROMPT, ScriptedRng, make_scheduler, reference_script, run
 from support.configs import tiny_config
+from support.scripts import load_script
 
 MOE = {"config": "tiny-qwen3-moe"}
 
@@ -107,3 +110,19 @@ def test_a_fork_inherits_its_prefix_routing_and_truncate_cuts_it():
     assert traj.routing_rows(2, 2) == _fake_routing([5, 6, 7])
     with pytest.raises(ValueError, match="routing for 4 tokens but the context has 3"):
         traj.record_routing(_fake_routing([5, 6, 7, 8]))
+
+
+# ------------------------------------------------------------------ the measurement's arithmetic
+def test_mismatch_counts_predicted_tokens_and_the_ratio_band():
+    bench = load_script("benchmarks/moe_routing_replay.py", "moe_routing_replay_benchmark")
+    rollout = [torch.tensor([0.0, -1.0, -2.0, -3.0])]
+    train = [torch.tensor([5.0, -1.0, -2.0 + math.log(1.3), -3.0 + math.log(0.9)])]  # token 0 has no prediction
+    got = bench.mismatch(train, rollout)
+    assert got["tokens"] == 3 and got["outside"] == pytest.approx(1 / 3)
+    assert got["mean_abs"] == pytest.approx((math.log(1.3) - math.log(0.9)) / 3)
+    flips = [torch.tensor([False, True, False, True])]  # a flip at token 1 moves token 2's prediction
+    got = bench.mismatch(train, rollout, flips)
+    assert got["flipped_tokens"] == 1 and got["mean_abs_flipped"] == pytest.approx(math.log(1.3))
+    same, swapped = torch.tensor([[[0, 1], [2, 3]]]), torch.tensor([[[1, 0], [3, 2]]])  # expert order ignored
+    other = torch.tensor([[[0, 2], [2, 3]]])
+    assert bench.changed_routing([same, other], [swapped, same]) == 0.5
