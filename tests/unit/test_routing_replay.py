@@ -126,3 +126,13 @@ def test_mismatch_counts_predicted_tokens_and_the_ratio_band():
     same, swapped = torch.tensor([[[0, 1], [2, 3]]]), torch.tensor([[[1, 0], [3, 2]]])  # expert order ignored
     other = torch.tensor([[[0, 2], [2, 3]]])
     assert bench.changed_routing([same, other], [swapped, same]) == 0.5
+
+
+def test_routing_travels_with_its_sequence_through_the_data_parallel_split():
+    seqs = [[i] * n for i, n in enumerate([9, 4, 7, 3, 6, 5])]
+    batch = {"input_ids": seqs, "routed_experts": [_fake_routing(s) for s in seqs], "group_ids": [0, 0, 1, 1, 2, 2]}
+    shards = packing.split_for_data_parallel(batch, 2, mini_batch_size=1)
+    assert sum(len(s["input_ids"]) for s in shards) == len(seqs)
+    for shard in shards:
+        for ids, routed in zip(shard["input_ids"], shard["routed_experts"]):
+            assert routed == _fake_routing(ids)
