@@ -85,6 +85,8 @@ def install(model: torch.nn.Module) -> int:
     for router in routers:
         if router.layer_number is None:
             raise RuntimeError("an MoE router has no layer number; routing replay needs the global layer index")
+        if router.config.moe_router_fusion:  # the fused top-k kernel bypasses the replay hook
+            raise RuntimeError("moe_router_fusion is on: Megatron's fused top-k does not take replayed routing")
         router.router_replay = _make_replay(router.layer_number - 1)
     return len(routers)
 

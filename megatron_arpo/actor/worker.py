@@ -341,8 +341,9 @@ class MegatronActorWorker:
     def compute_log_probs(self, batch: dict, with_entropy: bool = False, record_routing: bool = False) -> dict[str, Any]:
         self._compat()
         self._require()
-        if record_routing and (not self.model_cfg.is_moe or self.pp > 1):
-            raise ValueError("record_routing needs an MoE model at actor.pipeline_parallel 1")
+        if record_routing and (not self.model_cfg.is_moe or self.pp > 1 or self.actor.sequence_parallel):
+            raise ValueError("record_routing needs an MoE model at actor.pipeline_parallel 1 without "
+                             "actor.sequence_parallel (each rank must route every token of every layer)")
         # deferred: pulls in megatron-core (heavy; this module imports without it)
         from megatron.core import parallel_state
 
@@ -375,9 +376,9 @@ class MegatronActorWorker:
         result: dict[str, Any] = {"padding_fraction": packing.padding_fraction(plans)}
         if record_routing:
             recorded: dict[int, torch.Tensor] = {}
-            for i, (plan, mb) in enumerate(zip(plans, mbs)):
+            for i, mb in enumerate(mbs):  # agreed padding micro-batches (EP > 1) hold no sequence
                 rows = routing_replay.recorded_routing(self.model, i, *mb.tokens.shape)
-                recorded.update(routing_replay.split_recorded(plan, rows))
+                recorded.update(routing_replay.split_recorded(mb.plan, rows))
             routing_replay.stop_recording(self.model)
             result["routed_experts"] = [recorded[i] for i in range(len(seqs))]
         names = {"logp": "logprobs", "entropy": "entropy"}
