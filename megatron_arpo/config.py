@@ -512,6 +512,20 @@ def config_warnings(cfg: ExperimentConfig) -> list[str]:
     return found
 
 
+def routing_replay_problems(cfg: ExperimentConfig, model: ModelConfig) -> list[str]:
+    """``actor.moe_routing_replay`` against the model and the actor settings (docs/moe.md)."""
+    a = cfg.actor
+    if not a.moe_routing_replay:
+        return []
+    if not model.is_moe:
+        return [f"actor.moe_routing_replay: {model.name} is a dense model (no routed experts); set "
+                f"actor.moe_routing_replay: false"]
+    if a.recompute != "none":
+        return [f"actor.moe_routing_replay with actor.recompute: {a.recompute}: the recomputed forward would route "
+                f"again after the next micro-batch's routing is set; set actor.recompute: none"]
+    return []
+
+
 def validate(cfg: ExperimentConfig) -> list[str]:
     """Cross-section checks on a resolved config; returns the list of problems (empty = valid)."""
     errors: list[str] = []
@@ -528,6 +542,7 @@ def validate(cfg: ExperimentConfig) -> list[str]:
                               f"false, or trainer.placement: colocated")
 
     errors += off_policy_problems(cfg)
+    errors += routing_replay_problems(cfg, model)
 
     # Sequence budgets.
     seq = cfg.max_sequence_tokens

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_arpo.actor import packing
+from megatron_arpo.actor import packing, routing_replay
 
 logger = logging.getLogger(__name__)
 
@@ -147,6 +147,7 @@ class MicroBatch:
     attention_mask: torch.Tensor | None = None
     packed_seq_params: Any = None
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    routing: torch.Tensor | None = None  # routing replay: [b, s, layers, topk] recorded experts (routing_replay)
 
 
 def build_micro_batch(plan: packing.MicroBatchPlan, sequences, extras: dict[str, Any] | None = None, *,
@@ -193,8 +194,12 @@ def run_model(model, mb: MicroBatch, rope: _RopePositions | None) -> torch.Tenso
         mask = mask.cuda(non_blocking=True) if mask is not None else None
     if rope is not None:
         rope.position_ids = None if mb.packed_seq_params is not None else positions
+    if mb.routing is not None:
+        routing_replay.set_routing(model, mb.routing)
     try:
         return model(tokens, positions, mask, packed_seq_params=mb.packed_seq_params)
     finally:
         if rope is not None:
             rope.position_ids = None
+        if mb.routing is not None:
+            routing_replay.clear_routing(model)

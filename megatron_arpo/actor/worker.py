@@ -31,6 +31,9 @@ or token-aligned values), ``old_logprobs`` and, when ``algorithm.kl.coef > 0``, 
 (token-aligned, as ``compute_log_probs`` returns them), in off-policy mode ``behav_weights`` (token-aligned
 factors on each token's loss, ``megatron_arpo.algo.off_policy``), optionally ``group_ids`` (PPO mini-batches hold
 ``actor.mini_batch_size`` groups) or the ``mini_batch``/``num_mini_batches`` entries the split adds.
+With ``actor.moe_routing_replay`` (MoE) the passes also take ``routed_experts`` (per sequence,
+``[tokens, layers, topk]`` expert ids, -1 = not recorded) and force them (``megatron_arpo.actor.routing_replay``);
+``compute_log_probs(batch, record_routing=True)`` returns the actor's own routing under that key.
 
 Only rank-local state lives here; collectives are inside the methods, so every rank of the group must
 call the same methods in the same order.
@@ -49,7 +52,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from megatron_arpo.actor import model_builder, packing
+from megatron_arpo.actor import model_builder, packing, routing_replay
 from megatron_arpo.actor.hf_export import write_hf_checkpoint
 from megatron_arpo.actor.hf_live import export_hf_buckets, load_hf_into_megatron
 from megatron_arpo.actor.logprobs import build_micro_batch, install_position_rope
@@ -150,6 +153,8 @@ class MegatronActorWorker:
             expert_tensor_parallel=self.parallel.etp)
         model.config.variable_seq_lengths = True  # packed micro-batches differ in shape (PP p2p sends shapes)
         self.rope = None if self.use_te else install_position_rope(model)
+        if self.model_cfg.is_moe:  # hooks idle (plain routing) unless a pass sets or records routing
+            routing_replay.install(model)
         self.model = model  # the bare GPTModel: HF load, checkpoints, export
         placed = model_builder.place_model(model, model.config)  # on the GPU, Float16Module for bf16
         hf_dir = hf_dir or getattr(getattr(self.cfg, "model", None), "hf_checkpoint", None)
@@ -313,14 +318,32 @@ class MegatronActorWorker:
         shapes = [(int(vec[1 + 2 * i]), int(vec[2 + 2 * i])) for i in range(count)]
         return packing.pad_plans(plans, shapes)
 
-    def _micro_batches(self, plans, seqs, extras=None) -> list:
-        return [build_micro_batch(p, seqs, extras, use_thd=self.use_te, pad_to_multiple=self._pad_multiple)
-                for p in plans]
+    def _micro_batches(self, plans, seqs, extras=None, routing=None) -> list:
+        mbs = [build_micro_batch(p, seqs, extras, use_thd=self.use_te, pad_to_multiple=self._pad_multiple)
+               for p in plans]
+        if routing is not None:
+            shape = (self.model_cfg.num_hidden_layers, self.model_cfg.num_experts_per_tok)
+            for mb in mbs:
+                mb.routing = routing_replay.gather_routing(mb.plan, routing, *shape)
+        return mbs
+
+    def _replayed_routing(self, batch: dict, indices=None) -> list | None:
+        """The batch's recorded experts when ``actor.moe_routing_replay`` is on (required then), else None."""
+        if not getattr(self.actor, "moe_routing_replay", False):
+            return None
+        if batch.get("routed_experts") is None:
+            raise ValueError("actor.moe_routing_replay is on but the batch has no routed_experts (each token's "
+                             "experts recorded by the rollout engine); pass them, or set actor.moe_routing_replay: false")
+        routed = batch["routed_experts"]
+        return list(routed) if indices is None else [routed[i] for i in indices]
 
     # ------------------------------------------------------------------------------------- log-probs
-    def compute_log_probs(self, batch: dict, with_entropy: bool = False) -> dict[str, Any]:
+    def compute_log_probs(self, batch: dict, with_entropy: bool = False, record_routing: bool = False) -> dict[str, Any]:
         self._compat()
         self._require()
+        if record_routing and (not self.model_cfg.is_moe or self.pp > 1 or self.actor.sequence_parallel):
+            raise ValueError("record_routing needs an MoE model at actor.pipeline_parallel 1 without "
+                             "actor.sequence_parallel (each rank must route every token of every layer)")
         # deferred: pulls in megatron-core (heavy; this module imports without it)
         from megatron.core import parallel_state
 
@@ -328,7 +351,9 @@ class MegatronActorWorker:
         lengths = [len(s) for s in seqs]
         budget = self.actor.logprob_micro_batch_tokens or self.actor.micro_batch_tokens
         plans = self._plan(lengths, budget)
-        mbs = self._micro_batches(self._agree_plans(plans), seqs)
+        mbs = self._micro_batches(self._agree_plans(plans), seqs, routing=self._replayed_routing(batch))
+        if record_routing:
+            routing_replay.record_routing(self.model)
         with torch.no_grad():
             reduced = run_schedule([self.chunk], mbs, partial(logprob_loss, self.vocab, with_entropy),
                                    forward_only=True, rope=self.rope)
@@ -349,6 +374,13 @@ class MegatronActorWorker:
                            group=parallel_state.get_pipeline_model_parallel_group())
             flat = flat.cpu()  # results leave the worker as host tensors
         result: dict[str, Any] = {"padding_fraction": packing.padding_fraction(plans)}
+        if record_routing:
+            recorded: dict[int, torch.Tensor] = {}
+            for i, mb in enumerate(mbs):  # agreed padding micro-batches (EP > 1) hold no sequence
+                rows = routing_replay.recorded_routing(self.model, i, *mb.tokens.shape)
+                recorded.update(routing_replay.split_recorded(mb.plan, rows))
+            routing_replay.stop_recording(self.model)
+            result["routed_experts"] = [recorded[i] for i in range(len(seqs))]
         names = {"logp": "logprobs", "entropy": "entropy"}
         for k, key in enumerate(keys):
             result[names[key]] = list(flat[k].split(lengths))
@@ -403,7 +435,7 @@ class MegatronActorWorker:
                     extras["behav_weights"] = [batch["behav_weights"][i] for i in idx]
                 plans = self._plan([len(x) for x in sub], self.actor.micro_batch_tokens)
                 padding.append((sum(p.num_slots for p in plans), sum(p.num_tokens for p in plans)))
-                mbs = self._micro_batches(self._agree_plans(plans), sub, extras)
+                mbs = self._micro_batches(self._agree_plans(plans), sub, extras, self._replayed_routing(batch, idx))
                 stats = None
                 if s.entropy_aware_advantage:
                     moments = entropy_moments_pass([self.chunk], mbs, self.vocab, self.rope, dp_group)

@@ -71,6 +71,8 @@ from types import SimpleNamespace
 from typing import Any, Optional, Sequence
 
 from megatron_arpo.determinism import ENGINE_ENV as ENGINE_BATCH_INVARIANT_ENV
+from megatron_arpo.errors import ConfigError
+from megatron_arpo.rollout import routing_capture
 from megatron_arpo.rollout.config import RolloutSection
 from megatron_arpo.rollout.kv_cache import kv_cache_info
 from megatron_arpo.weight_sync.protocol import BACKENDS
@@ -130,6 +132,8 @@ class SegmentOutput:
     # the engine's policy version at the step that sampled each token (parallel to token_ids); a request
     # that spans a weight update in flight holds two versions
     token_versions: list[int] = field(default_factory=list)
+    # routing replay: [context + generated - 1, layers, topk] expert ids (EngineConfig.return_routed_experts)
+    routed_experts: Optional[Any] = None
 
 
 @dataclass
@@ -157,6 +161,7 @@ class EngineConfig:
     enable_sleep_mode: bool = RolloutSection.enable_sleep_mode
     weight_transfer: Optional[str] = None   # gloo | nccl | ipc (weight_sync.TRANSPORTS); None: no weight sync
     batch_invariant: bool = False           # vLLM's batch-invariant kernels (trainer.deterministic)
+    return_routed_experts: bool = False     # actor.moe_routing_replay (megatron_arpo/rollout/routing_capture.py)
     extra: dict[str, Any] = field(default_factory=dict)    # any other vllm.LLM keyword
 
     @classmethod
@@ -198,6 +203,8 @@ def engine_env(cfg: EngineConfig) -> dict[str, str]:
         # receiver accept only with insecure (pickle) serialisation on. The gloo and nccl payloads are plain
         # data and every collective_rpc passes a method name, so no other engine needs it.
         env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    if cfg.return_routed_experts:
+        env.update(routing_capture.ENGINE_ENV)
     return env
 
 
@@ -315,6 +322,8 @@ class VllmEngine:
         from vllm import LLM
 
         guard_llvmlite_for_vllm()
+        if cfg.return_routed_experts and (problem := routing_capture.capture_problem()) is not None:
+            raise ConfigError([problem])
         if "worker_extension_cls" in cfg.extra:
             raise ValueError(f"engine {engine_index}: extra sets worker_extension_cls={cfg.extra['worker_extension_cls']!r}; "
                              f"the engine needs its own ({WORKER_EXTENSION}, the methods it calls by name): drop it")
@@ -355,6 +364,8 @@ class VllmEngine:
                 raise ValueError(f"weight_transfer={cfg.weight_transfer!r}; allowed: {sorted(BACKENDS)}")
             register_weight_transfer_engines()  # the in-process worker; the plugin entry point covers the others
             kwargs["weight_transfer_config"] = {"backend": BACKENDS[cfg.weight_transfer]}
+        if cfg.return_routed_experts:
+            kwargs.update(routing_capture.engine_kwargs(cfg.enable_prefix_caching))
         kwargs.update(cfg.extra)
         start = time.monotonic()
         self._llm = LLM(**kwargs)
@@ -550,6 +561,7 @@ class VllmEngine:
             # vLLM labels each step's tokens with the version set before it ran (finish_weight_update)
             token_versions=expand_token_versions(getattr(comp, "weight_versions", None), len(token_ids),
                                                  self._version),
+            routed_experts=getattr(comp, "routed_experts", None),
         )
 
     async def _on_engine_thread(self, fn, *args):

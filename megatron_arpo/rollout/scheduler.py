@@ -457,6 +457,8 @@ class _Run:
         # Each token's policy version: the engine's report where it gives one (a weight update in flight can
         # change it mid-request), else the version of the weights it holds.
         t.append(out.token_ids, out.logprobs, 1, getattr(out, "token_versions", None) or pr.engine.version)
+        if getattr(out, "routed_experts", None) is not None:  # routing replay (EngineConfig.return_routed_experts)
+            t.record_routing(out.routed_experts)
         if live.counted:
             self.stats["engine_requests"] += 1
             self.stats["engine_prompt_tokens"] += out.num_prompt_tokens

@@ -112,6 +112,9 @@ class Trajectory:
     # Policy version (weight updates the engine had received) that sampled each response token;
     # NOT_SAMPLED on tool-result tokens and the EOS appended at the call limit. Empty: an older record.
     token_versions: list[int] = field(default_factory=list)
+    # Routing replay: each context token's experts ([layers][topk] ids) as the engine routed it, from token 0
+    # on (the last sampled token has none: no forward saw it). None: not recorded.
+    routed_experts: Optional[list] = None
     segments: list[Segment] = field(default_factory=list)
     tool_calls: list[ToolCall] = field(default_factory=list)
     decisions: list[BranchDecision] = field(default_factory=list)
@@ -154,6 +157,24 @@ class Trajectory:
             raise ValueError(f"truncate to {length} outside the response (length {len(self.response_ids)})")
         del self.response_ids[length:], self.response_logprobs[length:], self.loss_mask[length:]
         del self.token_versions[length:]
+        if self.routed_experts is not None:
+            del self.routed_experts[len(self.prompt_token_ids) + length:]
+
+    def record_routing(self, rows: Any) -> None:
+        """The engine's routing of this trajectory's context from token 0 on (``[tokens, layers, topk]``).
+
+        A later segment's rows cover the earlier ones (its prefill saw the whole context), so they replace them.
+        """
+        rows = rows.tolist() if hasattr(rows, "tolist") else [list(map(list, r)) for r in rows]
+        if len(rows) > len(self.context()):
+            raise ValueError(f"{self.traj_id}: routing for {len(rows)} tokens but the context has {len(self.context())}")
+        self.routed_experts = rows
+
+    def routing_rows(self, num_layers: int, topk: int) -> list:
+        """Per context token ``[layers][topk]`` expert ids, ``-1`` where none was recorded (the last token)."""
+        rows = list(self.routed_experts or [])
+        missing = [[-1] * topk for _ in range(num_layers)]
+        return rows + [missing] * (len(self.context()) - len(rows))
 
     def fork(self, traj_id: str, index: int, at_offset: int) -> "Trajectory":
         """A child sharing this trajectory's response up to ``at_offset`` (a tool-result boundary)."""
@@ -173,6 +194,9 @@ class Trajectory:
             response_logprobs=self.response_logprobs[:at_offset],
             loss_mask=self.loss_mask[:at_offset],
             token_versions=self.token_versions[:at_offset],  # a branch inherits its prefix's versions
+            # ... and its prefix's routing (the continuation's prefill, served from the prefix cache, re-sends it)
+            routed_experts=(None if self.routed_experts is None
+                            else self.routed_experts[:len(self.prompt_token_ids) + at_offset]),
             segments=[dataclasses.replace(s) for s in self.segments if s.start + s.num_tokens <= at_offset],
             tool_calls=[dataclasses.replace(c) for c in self.tool_calls
                         if c.result_offset + c.num_result_tokens <= at_offset],

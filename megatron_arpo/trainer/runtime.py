@@ -111,7 +111,8 @@ def _start_engines(rt: Runtime, hf_dir: str, on_gpu: bool) -> None:
     cfg = rt.cfg
     extra = {} if on_gpu else {"block_size": CPU_BLOCK_SIZE}
     engine_cfg = EngineConfig.from_rollout_section(hf_dir, cfg.rollout, dtype=ENGINE_DTYPES[cfg.actor.params_dtype],
-                                                   extra=extra, batch_invariant=cfg.trainer.deterministic)
+                                                   extra=extra, batch_invariant=cfg.trainer.deterministic,
+                                                   return_routed_experts=cfg.actor.moe_routing_replay)
     if cfg.trainer.deterministic:
         logger.info("trainer.deterministic: on (actor ranks in Megatron's deterministic mode with torch's "
                     "deterministic algorithms; GPU engines in vLLM's batch-invariant mode)")

@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from megatron_arpo.config import resolved_model
 from megatron_arpo.trainer.metrics import sync_metrics, validation_metrics
 from megatron_arpo.trainer.replay import data_sources
 from megatron_arpo.trainer.state import Runtime
@@ -114,11 +115,15 @@ def make_train_batch(rt: Runtime, result: Any) -> dict[str, Any]:
     rewards: dict[int, set] = {}
     for t in trajs:
         rewards.setdefault(t.prompt_index, set()).add(t.reward)
-    return {"input_ids": [t.prompt_token_ids + t.response_ids for t in trajs],
-            "loss_mask": [[0] * len(t.prompt_token_ids) + list(t.loss_mask) for t in trajs],
-            "advantages": advantages.tolist(), "group_ids": group_ids,
-            # a group whose rewards are all equal has zero advantage: it teaches nothing
-            "groups_with_signal": sum(len(r) > 1 for r in rewards.values())}
+    batch = {"input_ids": [t.prompt_token_ids + t.response_ids for t in trajs],
+             "loss_mask": [[0] * len(t.prompt_token_ids) + list(t.loss_mask) for t in trajs],
+             "advantages": advantages.tolist(), "group_ids": group_ids,
+             # a group whose rewards are all equal has zero advantage: it teaches nothing
+             "groups_with_signal": sum(len(r) > 1 for r in rewards.values())}
+    if rt.cfg.actor.moe_routing_replay:  # each token's experts as the engine routed it (docs/moe.md)
+        model = resolved_model(rt.cfg)
+        batch["routed_experts"] = [t.routing_rows(model.num_hidden_layers, model.num_experts_per_tok) for t in trajs]
+    return batch
 
 
 def signal_metrics(rt: Any, batch: dict[str, Any], step: int) -> dict[str, float]:
@@ -158,7 +163,7 @@ def _logged_zero_signal_steps(path: Path, step: int) -> int:
 
 def add_log_probs(rt: Runtime, batch: dict[str, Any], timer: Any) -> dict[str, float]:
     """Adds ``old_logprobs``, ``entropy`` and (with a reference) ``ref_logprobs`` to the batch."""
-    lp_batch = {"input_ids": batch["input_ids"], "group_ids": batch["group_ids"]}
+    lp_batch = {k: batch[k] for k in ("input_ids", "group_ids", "routed_experts") if k in batch}
     with timer("logprob"):
         out = rt.actor.compute_log_probs(lp_batch, with_entropy=True)
     batch["old_logprobs"], batch["entropy"] = out["logprobs"], out["entropy"]
@@ -181,7 +186,8 @@ def tool_tags(rt: Runtime, trajectories: list) -> list[str]:
 
 def update(rt: Runtime, batch: dict[str, Any]) -> dict[str, float]:
     train_keys = ("input_ids", "loss_mask", "advantages", "group_ids", "old_logprobs", "ref_logprobs",
-                  "behav_weights")  # behav_weights: trainer.mode off_policy only (megatron_arpo/trainer/off_policy.py)
+                  "behav_weights",  # behav_weights: trainer.mode off_policy only (megatron_arpo/trainer/off_policy.py)
+                  "routed_experts")  # actor.moe_routing_replay only
     metrics = rt.actor.update({k: batch[k] for k in train_keys if k in batch})
     rt.policy_version += 1
     return metrics
