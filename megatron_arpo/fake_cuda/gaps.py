@@ -5,6 +5,7 @@ the code under test.
 
 from __future__ import annotations
 
+import sys
 import threading
 from types import SimpleNamespace
 
@@ -185,3 +186,17 @@ def install_megatron_gaps(patches) -> None:
         return result
 
     patches.set(FileSystemWriterAsync, "preload_tensors", staticmethod(preload_tensors))
+
+
+def reset_megatron_globals() -> None:
+    """Megatron's process-wide state that holds one session's devices or streams, dropped at the session's end
+    (a later session in the process is another rank, on another device): the MoE auxiliary-loss tracker
+    (per-layer loss tensors), the auxiliary-loss gradient scale and the all-to-all dispatcher's shared
+    device-to-host stream."""
+    moe_utils = sys.modules.get("megatron.core.transformer.moe.moe_utils")
+    if moe_utils is not None:
+        moe_utils.get_moe_layer_wise_logging_tracker().clear()
+        moe_utils.MoEAuxLossAutoScaler.main_loss_backward_scale = None
+    dispatcher = sys.modules.get("megatron.core.transformer.moe.token_dispatcher")
+    if dispatcher is not None:
+        dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = None
