@@ -115,7 +115,7 @@ def _function_truth(func, args):
 
 _VALUE = "_fake_cuda_value"  # the host value of a fake whose value is known
 _TRUTH = "_fake_cuda_truth"  # the answer a healthy run gives for a bool fake of unknown value
-_MAX_KNOWN_NUMEL = 1 << 16  # values are followed for small (bookkeeping) tensors only
+_MAX_KNOWN_NUMEL = 1 << 20  # values are followed for bookkeeping tensors only (a MoE routing map: tokens x experts)
 
 
 def _known_value(t):
