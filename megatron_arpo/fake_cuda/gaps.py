@@ -70,10 +70,16 @@ def install_module_moves(patches) -> None:
             return original(t1, t2)
         real = torch_utils.weakref
         torch_utils.weakref = no_weakrefs
+        kept = dict(vars(t1))  # Megatron's parameter attributes (allreduce, tensor_model_parallel, ...)
         try:
             return original(t1, t2)
         finally:
             torch_utils.weakref = real
+            # A swap also swaps __dict__: the module's parameter would lose what Megatron set on it (a GPU's
+            # `param.data = ...` keeps it), e.g. `allreduce=False` that puts experts in their own grad buffer
+            # and optimizer. Keep them on the parameter the module holds.
+            for key, value in kept.items():
+                vars(t1).setdefault(key, value)
 
     patches.set(torch_utils, "swap_tensors", swap_tensors)
 
