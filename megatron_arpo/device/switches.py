@@ -137,8 +137,8 @@ SWITCHES: tuple[Switch, ...] = (
         cpu="MoE tokens reach their experts through Megatron's all-gather dispatcher",
         gpu="the all-to-all dispatcher",
         reason="Megatron's all-to-all dispatcher creates a CUDA stream for its device-to-host copies",
-        gpu_test="none here: the all-to-all dispatcher needs CUDA streams; tests/dist/test_moe_parallel.py runs "
-                 "the all-gather one at EP 2",
+        gpu_test="tests/fakecuda/test_actor_ep_paths.py runs the all-to-all one on fake CUDA at EP 2 (TP 1 and 2); "
+                 "tests/dist/test_moe_parallel.py runs the all-gather one at EP 2",
     ),
     Switch(
         id="cuda-rng",

@@ -5,6 +5,7 @@ the code under test.
 
 from __future__ import annotations
 
+import sys
 import threading
 from types import SimpleNamespace
 
@@ -69,10 +70,16 @@ def install_module_moves(patches) -> None:
             return original(t1, t2)
         real = torch_utils.weakref
         torch_utils.weakref = no_weakrefs
+        kept = dict(vars(t1))  # Megatron's parameter attributes (allreduce, tensor_model_parallel, ...)
         try:
             return original(t1, t2)
         finally:
             torch_utils.weakref = real
+            # A swap also swaps __dict__: the module's parameter would lose what Megatron set on it (a GPU's
+            # `param.data = ...` keeps it), e.g. `allreduce=False` that puts experts in their own grad buffer
+            # and optimizer. Keep them on the parameter the module holds.
+            for key, value in kept.items():
+                vars(t1).setdefault(key, value)
 
     patches.set(torch_utils, "swap_tensors", swap_tensors)
 
@@ -185,3 +192,17 @@ def install_megatron_gaps(patches) -> None:
         return result
 
     patches.set(FileSystemWriterAsync, "preload_tensors", staticmethod(preload_tensors))
+
+
+def reset_megatron_globals() -> None:
+    """Megatron's process-wide state that holds one session's devices or streams, dropped at the session's end
+    (a later session in the process is another rank, on another device): the MoE auxiliary-loss tracker
+    (per-layer loss tensors), the auxiliary-loss gradient scale and the all-to-all dispatcher's shared
+    device-to-host stream."""
+    moe_utils = sys.modules.get("megatron.core.transformer.moe.moe_utils")
+    if moe_utils is not None:
+        moe_utils.get_moe_layer_wise_logging_tracker().clear()
+        moe_utils.MoEAuxLossAutoScaler.main_loss_backward_scale = None
+    dispatcher = sys.modules.get("megatron.core.transformer.moe.token_dispatcher")
+    if dispatcher is not None:
+        dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = None

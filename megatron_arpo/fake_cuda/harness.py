@@ -18,7 +18,8 @@ parameters are bf16 on the device. It is built from the facts measured in
   tensors need both. If it cannot be built (no C++ compiler), :func:`load_guard` raises
   :class:`FakeCudaUnavailable` with the reason; tests skip showing it, never pass silently.
 - ``torch.cuda`` stubs: availability, device count/index/capability (9, 0)/properties, synchronize,
-  streams (``current_stream().synchronize()``), memory queries, and the CUDA RNG API mapped onto the
+  streams (``current_stream().synchronize()``, side streams ``torch.cuda.Stream()`` with
+  ``torch.cuda.stream(s)``, events, ``Tensor.record_stream``: work is never pending), memory queries, and the CUDA RNG API mapped onto the
   CPU generator. ``reduce_tensor`` of a fake cuda tensor (a CUDA-IPC export) returns
   ``rebuild_cuda_tensor`` arguments whose handle names the exported storage (``fake-ipc:<id>``: views
   of one buffer share it), so a test can tell one reused IPC buffer from a fresh one per export.
@@ -27,7 +28,8 @@ parameters are bf16 on the device. It is built from the facts measured in
   synchronize, in program order. With the traces of all ranks a test orders events across ranks
   (the n-th collective of a group joins its members).
 - **Collective checker**: all_reduce, broadcast, all_gather(_into_tensor), reduce_scatter(_tensor),
-  reduce, gather, scatter, all_to_all(_single) and batch_isend_irecv are wrapped; a non-cuda tensor
+  reduce, gather, scatter, all_to_all(_single), send, recv and batch_isend_irecv are wrapped (one wrapper
+  per process, reporting to the active session: Megatron binds some at import); a non-cuda tensor
   passed to a group whose intended backend is NCCL is recorded with the call site (the first frame
   outside torch, megatron and this module's wrappers). ``isend``/``irecv`` themselves are not wrapped:
   ``P2POp`` checks their identity; their tensors are checked in ``batch_isend_irecv``.
@@ -37,7 +39,14 @@ parameters are bf16 on the device. It is built from the facts measured in
   - small fakes computed only from known values (``torch.tensor([...])``, real host tensors, and what
     is derived from them: device moves, slicing, arithmetic; e.g. sequence lengths from
     ``cu_seqlens``) read their real values, computed on the host; writing into a fake forgets its value,
-    a collective does not (every rank contributes what this rank does);
+    a collective does not (every rank contributes what this rank does: an all-gather of known inputs
+  is known); factories (``zeros``, ``arange``...) and ``zeros_like`` & co. are known, and a write of
+  known values into a known fake updates it (``vec[i] = n``);
+  - a top-k over unknown values picks a balanced spread of indices (row r's j-th pick is
+    ``(r * k + j) mod n``), as a balanced MoE router would: token counts per expert, all-to-all split
+    sizes and permutations then follow from known values;
+  - ops whose output shape depends on data (``masked_select``, ``nonzero``) run on the host with the
+    known values and unknown ones read as zero;
   - health predicates answer as a healthy run would (``isfinite`` True, ``isnan``/``isinf`` False,
     carried through ``all``/``any``/not/and/or), so validation of finite values passes;
   - anything else reads as 0 (False).
@@ -66,7 +75,8 @@ Harness gaps (not bugs of the code under test), each patched only inside a sessi
   no other process will.
 
 Process-wide effects that outlive a session: the extension (CUDA stays the accelerator of this
-process) and autograd's device threads. Run one session per process (tests use a subprocess per
+process) and autograd's device threads; Megatron's MoE globals that hold a session's tensors or streams
+are dropped at its end (``gaps.reset_megatron_globals``). Run one session per process (tests use a subprocess per
 scenario); a session refuses to start when the CPU compat layer (``megatron_arpo.device.cpu_compat``)
 is already active in the process, since the two make opposite claims about CUDA.
 """
@@ -97,8 +107,10 @@ from torch.multiprocessing import reductions
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from megatron_arpo.device import cpu_compat
-from megatron_arpo.fake_cuda.gaps import install_host_io, install_megatron_gaps, install_module_moves
-from megatron_arpo.fake_cuda.reads import DataReadMode, HostFunctionMode, _tensors_in
+from megatron_arpo.fake_cuda.gaps import (install_host_io, install_megatron_gaps, install_module_moves,
+                                          reset_megatron_globals)
+from megatron_arpo.fake_cuda.reads import (DataReadMode, HostFunctionMode, _tensors_in, follow_gather,
+                                           numpy_of_fakes)
 
 logger = logging.getLogger(__name__)
 
@@ -229,6 +241,33 @@ class _FakeStream:
     def wait_event(self, event) -> None:
         pass
 
+    def record_event(self, event=None) -> "_FakeEvent":
+        event = event if event is not None else _FakeEvent(self._trace)
+        event.record(self)
+        return event
+
+
+class _FakeEvent:
+    """A CUDA event on the fake device: always complete; a synchronize is traced."""
+
+    def __init__(self, trace: list, *args, **kwargs):
+        self._trace = trace
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        self._trace.append(("sync", "event"))
+
+    def elapsed_time(self, end) -> float:
+        return 0.0
+
 
 def _install_cuda_stubs(patches: _Patches, device: _DeviceState, num_devices: int, guard,
                         trace: list | None = None) -> None:
@@ -243,6 +282,17 @@ def _install_cuda_stubs(patches: _Patches, device: _DeviceState, num_devices: in
             return d
         d = torch.device(d)
         return device.index if d.index is None else d.index
+
+    def new_stream(device=None, priority=0, **kwargs) -> _FakeStream:  # a side stream (e.g. MoE device-to-host copies)
+        return _FakeStream(device, trace)
+
+    @contextlib.contextmanager
+    def use_stream(s):
+        yield s
+
+    def record_stream(self, stream) -> None:  # the caching allocator's bookkeeping; no allocator here
+        if not (isinstance(self, FakeTensor) and self.device.type == "cuda"):
+            raise RuntimeError("record_stream on a non-CUDA tensor (the fake CUDA harness only has fake devices)")
 
     def set_device(d) -> None:
         idx = _index(d)
@@ -275,6 +325,9 @@ def _install_cuda_stubs(patches: _Patches, device: _DeviceState, num_devices: in
         "synchronize": lambda d=None: trace.append(("sync", "device")),
         "current_stream": lambda d=None: stream,
         "default_stream": lambda d=None: stream,
+        "Stream": new_stream,
+        "stream": use_stream,
+        "Event": lambda *a, **k: _FakeEvent(trace, *a, **k),
         "empty_cache": lambda: None,
         "ipc_collect": lambda: None,
         "memory_allocated": lambda d=None: 0,
@@ -300,6 +353,8 @@ def _install_cuda_stubs(patches: _Patches, device: _DeviceState, num_devices: in
     for name, value in stubs.items():
         patches.set(cuda, name, value)
 
+    patches.set(torch.Tensor, "record_stream", record_stream)
+    patches.set(torch.Tensor, "numpy", numpy_of_fakes(torch.Tensor.numpy))
     patches.set(nccl, "version", lambda: (2, 27, 3))  # logged by c10d for "nccl" groups
     for name in ("get_rng_state", "set_rng_state", "manual_seed", "manual_seed_all", "get_rng_state_all",
                  "set_rng_state_all", "seed", "seed_all", "initial_seed"):
@@ -353,7 +408,25 @@ def _call_site() -> str:
 
 _CHECKED_COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "_all_gather_base",
                         "reduce_scatter", "reduce_scatter_tensor", "_reduce_scatter_base", "reduce", "gather",
-                        "scatter", "all_to_all", "all_to_all_single")
+                        "scatter", "all_to_all", "all_to_all_single", "send", "recv")
+
+
+_GATHERS = ("all_gather", "all_gather_into_tensor", "_all_gather_base")
+
+
+def _follow_gather(name: str, group, args, kwargs) -> None:
+    """Known values through an all-gather: the fake world is symmetric (every rank contributes this rank's
+    input), so the output of known inputs is known too (e.g. MoE token counts gathered over the EP group)."""
+    try:
+        bound = inspect.signature(getattr(dist.distributed_c10d, name)).bind_partial(*args, **kwargs).arguments
+    except TypeError:
+        return
+    output = bound.get("tensor_list", bound.get("output_tensor"))
+    source = bound.get("tensor", bound.get("input_tensor"))
+    if output is None or not isinstance(source, torch.Tensor):
+        return
+    size = dist.get_world_size(group if group is not None else dist.group.WORLD)
+    follow_gather(output, [source], size, stacked=name != "all_gather")
 
 
 def _group_arg(name: str, args, kwargs):
@@ -442,11 +515,20 @@ class FakeCudaSession:
 
 
 _inside = threading.local()
+_active = SimpleNamespace(session=None)  # the session of this process now (one at a time)
+_wrappers: dict[str, Callable] = {}
 
 
-def _wrap_collective(session: FakeCudaSession, name: str, original: Callable) -> Callable:
+def _wrap_collective(name: str, original: Callable) -> Callable:
+    """One checked wrapper per collective for the process: Megatron binds some at import
+    (``dist_all_gather_func = torch.distributed.all_gather_into_tensor``), so a later session must reach the
+    wrapper an earlier one installed; it reports to whichever session is active."""
+    if name in _wrappers:
+        return _wrappers[name]
+
     def checked(*args, **kwargs):
-        if getattr(_inside, "active", False):  # torch re-enters through __torch_function__ with the public name
+        session = _active.session
+        if session is None or getattr(_inside, "active", False):  # torch re-enters with the public name
             return original(*args, **kwargs)
         group = _group_arg(name, args, kwargs)
         session._collective(name, group)
@@ -457,10 +539,14 @@ def _wrap_collective(session: FakeCudaSession, name: str, original: Callable) ->
                 session.violations.append(Violation(name, backend, devices, _call_site()))
         _inside.active = True
         try:
-            return original(*args, **kwargs)
+            result = original(*args, **kwargs)
         finally:
             _inside.active = False
+        if name in _GATHERS:
+            _follow_gather(name, group, args, kwargs)
+        return result
 
+    _wrappers[name] = checked
     checked.__wrapped__ = original
     checked.__name__ = name
     return checked
@@ -488,7 +574,7 @@ def _install_dist(patches: _Patches, session: FakeCudaSession) -> None:
         patches.set(mod, "get_backend", get_backend)
         for name in _CHECKED_COLLECTIVES:
             if hasattr(mod, name):
-                patches.set(mod, name, _wrap_collective(session, name, getattr(c10d, name)))
+                patches.set(mod, name, _wrap_collective(name, getattr(c10d, name)))
 
     original_barrier = c10d.barrier
 
@@ -613,16 +699,19 @@ def fake_cuda(world_size: int, rank: int, *, num_devices: int = MAX_DEVICES,
         install_module_moves(patches)
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
         session._backends[id(dist.group.WORLD)] = "nccl"
+        _active.session = session
         session.fake_mode = _FakeMode(allow_non_fake_inputs=True)
         modes.enter_context(session.fake_mode)
         modes.enter_context(DataReadMode())  # dispatch level: autograd's device threads see it too
         modes.enter_context(HostFunctionMode())
         yield session
     finally:
+        _active.session = None
         modes.close()
         try:
             if "megatron.core.parallel_state" in sys.modules:
                 sys.modules["megatron.core.parallel_state"].destroy_model_parallel()
+            reset_megatron_globals()
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()

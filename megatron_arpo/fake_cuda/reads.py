@@ -15,7 +15,7 @@ validation with ``bool(torch.isfinite(x))``, sequence lengths from ``cu_seqlens.
 from __future__ import annotations
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensor, unset_fake_temporarily
 from torch.utils._pytree import tree_flatten, tree_map
 
 def _is_fake(x) -> bool:
@@ -75,6 +75,24 @@ class HostFunctionMode(torch.overrides.TorchFunctionMode):
         return result
 
 
+def numpy_of_fakes(original):
+    """``Tensor.numpy`` for every thread (autograd's device threads run activation recompute, which
+    ``HostFunctionMode`` does not see): a cuda tensor raises as on a GPU, a host fake gives its known value
+    or zeros."""
+
+    def numpy(self, *args, **kwargs):
+        if not _is_fake(self):
+            return original(self, *args, **kwargs)
+        if self.device.type != "cpu":
+            raise TypeError(f"can't convert {self.device} device type tensor to numpy. Use Tensor.cpu() to "
+                            f"copy the tensor to host memory first.")
+        known = _known_value(self)
+        with unset_fake_temporarily():
+            return (known if known is not None else torch.zeros(self.shape, dtype=self.dtype)).numpy()
+
+    return numpy
+
+
 _HEALTHY = {torch.isfinite: True, torch.Tensor.isfinite: True, torch.isnan: False, torch.Tensor.isnan: False,
             torch.isinf: False, torch.Tensor.isinf: False}
 _PROPAGATE = {torch.all, torch.Tensor.all, torch.any, torch.Tensor.any}
@@ -97,7 +115,7 @@ def _function_truth(func, args):
 
 _VALUE = "_fake_cuda_value"  # the host value of a fake whose value is known
 _TRUTH = "_fake_cuda_truth"  # the answer a healthy run gives for a bool fake of unknown value
-_MAX_KNOWN_NUMEL = 1 << 16  # values are followed for small (bookkeeping) tensors only
+_MAX_KNOWN_NUMEL = 1 << 20  # values are followed for bookkeeping tensors only (a MoE routing map: tokens x experts)
 
 
 def _known_value(t):
@@ -117,6 +135,58 @@ def _aten_tables():
     negate = {aten.logical_not, aten.bitwise_not}
     combine = {aten.logical_and: all, aten.bitwise_and: all, aten.logical_or: any, aten.bitwise_or: any}
     return healthy, propagate, negate, combine
+
+
+# Ops whose value is set by their arguments, not by input data: factories, and "like" ops of any tensor.
+_FACTORIES = {"zeros", "ones", "full", "arange", "scalar_tensor", "eye", "linspace"}
+_SHAPE_ONLY = {"zeros_like", "ones_like", "full_like", "new_zeros", "new_ones", "new_full"}
+
+
+def _balanced_topk_indices(shape, k: int, dim: int) -> torch.Tensor:
+    """Indices of a top-k over unknown values: row r's j-th pick is ``(r * k + j) mod n`` (``n`` the size of
+    ``dim``), so that every index is picked equally often, as by a balanced router."""
+    n = shape[dim]
+    moved = list(shape)
+    moved.pop(dim)
+    rows = int(torch.tensor(moved).prod()) if moved else 1
+    picks = (torch.arange(rows).unsqueeze(1) * k + torch.arange(k).unsqueeze(0)) % n
+    return picks.reshape(*moved, k).movedim(-1, dim).contiguous()
+
+
+def _host_or_zeros(x):
+    """A tensor argument as a host tensor: its known value, or zeros (an unknown read as zero)."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    known = _known_value(x)
+    if known is not None:
+        return known
+    with unset_fake_temporarily():
+        return torch.zeros(x.shape, dtype=x.dtype)
+
+
+def _as_fake_on(host: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A fake on ``like``'s device with ``host``'s shape and dtype (called inside the fake mode)."""
+    return torch.empty(host.shape, dtype=host.dtype, device=like.device)
+
+
+def follow_gather(output, inputs: list, group_size: int, *, stacked: bool) -> None:
+    """The value of an all-gather's output when every input is known: every rank contributes what this
+    rank does (the fake process group's symmetric world). ``stacked``: one output tensor holding the
+    group's inputs along dim 0 (``all_gather_into_tensor``); else ``output`` is the list of per-rank
+    tensors (``all_gather``)."""
+    values = [_known_value(t) for t in inputs]
+    if not inputs or any(v is None for v in values):
+        return
+    if stacked:
+        with unset_fake_temporarily():
+            host = values[0] if values[0].dim() else values[0].reshape(1)
+            host = torch.cat([host] * group_size).reshape(output.shape)
+        if _is_fake(output) and output.numel() <= _MAX_KNOWN_NUMEL:
+            setattr(output, _VALUE, host)
+        return
+    for out in output:
+        if _is_fake(out) and out.shape == values[0].shape:
+            setattr(out, _VALUE, values[0])
 
 
 def _dummy_scalar(t: torch.Tensor):
@@ -156,20 +226,90 @@ class DataReadMode(torch.utils._python_dispatch.TorchDispatchMode):
             truth = getattr(t, _TRUTH, None)
             return _dummy_scalar(t) if truth is None else (truth if t.dtype == torch.bool else int(truth))
         if func._schema.is_mutable and func.namespace != "c10d":
+            written = self._write_known(func, args, kwargs)
             for t in _tensors_in(args, kwargs):
-                if _is_fake(t) and hasattr(t, _VALUE):
+                if _is_fake(t) and hasattr(t, _VALUE) and id(t) not in written:
                     delattr(t, _VALUE)
-        out = func(*args, **kwargs)
+            if written:
+                out = func(*args, **kwargs)
+                for t in _tensors_in(args, kwargs):
+                    if id(t) in written:
+                        setattr(t, _VALUE, written[id(t)])
+                return out
+        try:
+            out = func(*args, **kwargs)
+        except DynamicOutputShapeException:
+            return self._dynamic_shape(func, args, kwargs)
         results = out if isinstance(out, (tuple, list)) else [out]
         fakes = [r for r in results if _is_fake(r)]
         if fakes and not func._schema.is_mutable and sum(r.numel() for r in fakes) <= _MAX_KNOWN_NUMEL:
             self._follow(func, args, kwargs, out)
+            if func.overloadpacket is torch.ops.aten.topk and len(results) == 2 and not hasattr(results[1], _VALUE):
+                self._balanced_topk(args, kwargs, results[1])
         return out
+
+    @staticmethod
+    def _write_known(func, args, kwargs) -> dict:
+        """A write of known values into a fake of known value (``vec[i] = n`` on a small bookkeeping tensor):
+        the op runs on the host values too, in place, so that views of one buffer, followed on the host as
+        views, see it. Returns ``{id(fake): its new host value}``, empty when any input is unknown."""
+        tensors = _tensors_in(args, kwargs)
+        if not tensors or sum(t.numel() for t in tensors) > _MAX_KNOWN_NUMEL:
+            return {}
+        hosts = {}
+        with unset_fake_temporarily():
+            for t in tensors:
+                value = _known_value(t)
+                if value is None:
+                    return {}
+                # a fake's followed value is written in place (its views share it); anything else is copied
+                hosts[id(t)] = value if _is_fake(t) and getattr(t, "constant", None) is None else value.clone()
+            swap = lambda x: hosts[id(x)] if isinstance(x, torch.Tensor) else x  # noqa: E731
+            try:
+                func(*tree_map(swap, args), **{k: tree_map(swap, v) for k, v in kwargs.items() if k != "device"})
+            except Exception:  # noqa: BLE001 (an op that cannot run on the host values: the write forgets, as before)
+                return {}
+        return {id(t): hosts[id(t)] for t in tensors if _is_fake(t)}
+
+    def _balanced_topk(self, args, kwargs, indices) -> None:
+        # A top-k over unknown scores (a MoE router's) picks a balanced spread of indices; the values stay
+        # unknown. Token counts per expert, split sizes and permutations then follow from known values.
+        k = args[1] if len(args) > 1 else kwargs["k"]
+        dim = args[2] if len(args) > 2 else kwargs.get("dim", -1)
+        dim = dim % args[0].dim() if args[0].dim() else 0
+        if args[0].dim() == 0 or int(k) > args[0].shape[dim]:
+            return
+        with unset_fake_temporarily():
+            host = _balanced_topk_indices(tuple(args[0].shape), int(k), dim).to(indices.dtype)
+        if tuple(host.shape) == tuple(indices.shape):
+            setattr(indices, _VALUE, host)
+
+    def _dynamic_shape(self, func, args, kwargs):
+        # Output shapes that depend on data (masked_select, nonzero, ...): the op runs on the host with the
+        # known values and unknown ones read as zero (the rule for any read); the result is a fake of that
+        # shape, whose value is known when every input was.
+        tensors = _tensors_in(args, kwargs)
+        host_args = tree_map(_host_or_zeros, args)
+        host_kwargs = {k: tree_map(_host_or_zeros, v) for k, v in kwargs.items() if k != "device"}
+        with unset_fake_temporarily():
+            value = func(*host_args, **host_kwargs)
+        values = value if isinstance(value, (tuple, list)) else [value]
+        like = next(t for t in tensors if _is_fake(t))
+        outs = [_as_fake_on(v, like) if isinstance(v, torch.Tensor) else v for v in values]
+        if all(_known_value(t) is not None for t in tensors):
+            for fake, host in zip(outs, values):
+                if isinstance(host, torch.Tensor) and host.numel() <= _MAX_KNOWN_NUMEL:
+                    setattr(fake, _VALUE, host)
+        return type(value)(outs) if isinstance(value, (tuple, list)) else outs[0]
 
     def _follow(self, func, args, kwargs, out) -> None:
         tensors = _tensors_in(args, kwargs)
+        if func.overloadpacket.__name__ in _SHAPE_ONLY:
+            tensors = tensors[1:]  # the input gives only the shape: zeros_like(x) is known for any x
+            args = (_host_or_zeros(args[0]), *args[1:])
         known = [_known_value(t) for t in tensors]
-        if tensors and all(k is not None for k in known):
+        name = func.overloadpacket.__name__
+        if (tensors or name in _SHAPE_ONLY or name in _FACTORIES) and all(k is not None for k in known):
             host_args = tree_map(lambda x: _known_value(x) if isinstance(x, torch.Tensor) else x, args)
             host_kwargs = {k: tree_map(lambda x: _known_value(x) if isinstance(x, torch.Tensor) else x, v)
                            for k, v in kwargs.items() if k != "device"}

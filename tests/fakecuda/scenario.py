@@ -1,6 +1,7 @@
 """Fake-CUDA actor scenarios: ``python tests/fakecuda/scenario.py SPEC.json OUT.json``.
 
-SPEC: ``{"model", "tp", "pp", "dp", "ranks", "sequence_parallel", "recompute", "hf_dir", "work_dir"}``. The ranks run
+SPEC: ``{"model", "tp", "pp", "dp", "ranks", "sequence_parallel", "recompute", "hf_dir", "work_dir"}``, optionally
+``"ep"`` (``actor.expert_parallel``, an MoE model). The ranks run
 one after the other in this process; a later rank receives the object messages an earlier one sent
 (the last stage's metrics and export metadata reach the first stage). Each rank runs the actor
 worker's GPU paths under ``megatron_arpo.fake_cuda.harness``: init_model (HF weights),
@@ -10,7 +11,7 @@ the weight sync's send path (each stage's buckets gathered on its sender; a reco
 place) and write_hf_checkpoint; then a reference-role worker's log-probs.
 
 OUT is ``{rank: result}`` (what each step saw: devices, dtypes, shapes; the collective checker's
-violations; the peer messages it missed), or ``{"unavailable": reason}`` when the harness's C++ guard
+violations; the collectives it took part in, by group; the peer messages it missed), or ``{"unavailable": reason}`` when the harness's C++ guard
 cannot be built here. The harness changes process-wide torch state: run this as a subprocess.
 
 All sequences have one length, so every micro-batch has one shape: the harness answers Megatron's
@@ -41,6 +42,7 @@ def experiment_config(spec: dict):
         "launcher": {"gpus_per_node": spec["tp"] * spec["pp"] * spec["dp"]},  # one fake GPU node holds the layout
         "algorithm": {"entropy_balanced_clip": True, "entropy_aware_advantage": True},
         "actor": {"tensor_parallel": spec["tp"], "pipeline_parallel": spec["pp"], "data_parallel": spec["dp"],
+                  "expert_parallel": spec.get("ep", 1),
                   "sequence_parallel": spec["sequence_parallel"], "params_dtype": "bf16", "use_te": "false",
                   "recompute": spec.get("recompute", "none"),
                   "micro_batch_tokens": 2 * SEQ_LEN, "mini_batch_size": 2,
@@ -164,6 +166,12 @@ def run(spec: dict) -> dict:
 
         step("reference", reference)
     out["violations"] = [str(v) for v in session.violations]
+    collectives: dict[str, int] = {}  # "name ranks" -> how often this rank took part
+    for event in session.trace:
+        if event[0] == "collective":
+            key = f"{event[1]} {','.join(map(str, event[2]))}"
+            collectives[key] = collectives.get(key, 0) + 1
+    out["collectives"] = collectives
     out["missing_peer_messages"] = session.missing_peer_messages
     out["sent_messages"] = {k: [base64.b64encode(m).decode() for m in v] for k, v in session.sent_messages.items()}
     return out

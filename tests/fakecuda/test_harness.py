@@ -39,6 +39,7 @@ def test_gpu_branches_see_a_cuda_device(child):
     assert r["numpy_cuda"] == ("TypeError: can't convert cuda:5 device type tensor to numpy. Use Tensor.cpu() to "
                                "copy the tensor to host memory first.")
     assert r["numpy_host"] == [[0.0, 0.0]]  # a host copy of fake data reads as zeros
+    assert r["numpy_known"] == [[3.0, 3.0]]  # ... unless the values are known (a factory's, and what follows)
     assert r["backward_grad_device"] == "cuda:5"
     assert r["accelerator"] == "cuda"
 
@@ -115,7 +116,8 @@ def check_device(fc):
             x.detach().numpy()
         except TypeError as exc:
             out["numpy_cuda"] = f"TypeError: {exc}"
-        out["numpy_host"] = x.detach()[:1].cpu().numpy().tolist()
+        out["numpy_host"] = torch.empty(2, 2, device="cuda")[:1].cpu().numpy().tolist()
+        out["numpy_known"] = (x.detach()[:1] * 3).cpu().numpy().tolist()
         (x * 2).sum().backward()
         out["backward_grad_device"] = str(x.grad.device)
     return out
