@@ -59,7 +59,7 @@ def test_readme_says_what_has_run_on_a_gpu_before_the_demo():
     box = text[status:text.index("## The CPU demo")]
     assert "docs/gpu_smoke.md" in box
     # Every GPU run the box cites is a recorded section of benchmarks/RESULTS.md (the report and its command).
-    results = (README.parent / "benchmarks" / "RESULTS.md").read_text()
+    results = (README.parent / "benchmarks/RESULTS.md").read_text()
     anchors = {re.sub(r"[^a-z0-9 -]", "", h.lower()).replace(" ", "-") for h in re.findall(r"^## (.+)$", results, re.M)}
     cited = re.findall(r"benchmarks/RESULTS\.md#([a-z0-9-]+)", box)
     assert cited and set(cited) <= anchors, (cited, sorted(a for a in anchors if "gpu" in a))
