@@ -315,6 +315,9 @@ class VllmEngine:
             cfg = EngineConfig(**cfg)
         self.cfg = cfg
         self.engine_index = engine_index
+        # Refused before the process environment changes: an in-process engine's variables outlive it.
+        if cfg.return_routed_experts and (problem := routing_capture.capture_problem()) is not None:
+            raise ConfigError([problem])
         for key, value in engine_env(cfg).items():
             if os.environ.get(key) is None:
                 os.environ[key] = value
@@ -322,8 +325,6 @@ class VllmEngine:
         from vllm import LLM
 
         guard_llvmlite_for_vllm()
-        if cfg.return_routed_experts and (problem := routing_capture.capture_problem()) is not None:
-            raise ConfigError([problem])
         if "worker_extension_cls" in cfg.extra:
             raise ValueError(f"engine {engine_index}: extra sets worker_extension_cls={cfg.extra['worker_extension_cls']!r}; "
                              f"the engine needs its own ({WORKER_EXTENSION}, the methods it calls by name): drop it")

@@ -7,6 +7,8 @@ vLLM builds anything; this is what ``actor.moe_routing_replay: true`` meets on a
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from megatron_arpo.errors import ConfigError
@@ -22,8 +24,12 @@ def test_an_engine_that_cannot_return_routing_is_refused_with_the_fix():
         pytest.skip("this machine's vLLM returns routed experts")
     cfg = EngineConfig(model=str(tiny_checkpoint("tiny-qwen3-moe")), dtype="float32", max_model_len=256,
                        return_routed_experts=True)
+    before = dict(os.environ)
     with pytest.raises(ConfigError) as info:
         VllmEngine(cfg)
+    # The refusal leaves this process's environment alone: the in-process engines started after it (and the
+    # Slurm jobs that inherit it) would otherwise meet VLLM_USE_V2_MODEL_RUNNER=1 and fail.
+    assert dict(os.environ) == before
     message = str(info.value)
     assert "cannot return routed experts" in message
     assert "set actor.moe_routing_replay: false" in message and "run the rollout engines on GPUs" in message
