@@ -485,43 +485,47 @@ def _random_init_worker(ctx: Context, cfg: ModelConfig, seq: int, tokens: int):
     return worker
 
 
-def memory_shape(ctx: Context, layers: int) -> dict:
-    """One shape in a fresh process: build, two updates over one full micro-batch; the allocator's peaks in
-    the second."""
+def _memory_cfg(layers: int) -> ModelConfig:
+    return dataclasses.replace(load_model_config(MEMORY_BASE), name=f"{MEMORY_BASE}-{layers}l", num_hidden_layers=layers)
+
+
+@contextlib.contextmanager
+def _steady_state(ctx: Context, cfg: ModelConfig):
+    """A random-init worker after one update over one full micro-batch, its allocator peaks reset: the next
+    update is the steady state the planner predicts (Adam's moments, 8 B per parameter, which the first step
+    creates, are held through every later forward and backward). Yields ``(worker, batch)``."""
     from megatron_arpo.fake_cuda.memory_probe import probe_batch
 
-    cfg = dataclasses.replace(load_model_config(MEMORY_BASE), name=f"{MEMORY_BASE}-{layers}l", num_hidden_layers=layers)
     with device_session(ctx):
         worker = _random_init_worker(ctx, cfg, MEMORY_SEQ, MEMORY_TOKENS)
         batch = probe_batch(MEMORY_SEQ, MEMORY_TOKENS, 1, cfg.vocab_size)
-        # The planner's peak is the steady state: Adam's moments (8 B per parameter), which the first step
-        # creates, are held through every later forward and backward. So the second update is measured.
         worker.update(batch)
         if device_memory() is not None:
             torch.cuda.reset_peak_memory_stats()
+        yield worker, batch
+        worker.shutdown()
+
+
+def memory_shape(ctx: Context, layers: int) -> dict:
+    """One shape in a fresh process: the allocator's peaks in the steady-state update."""
+    cfg = _memory_cfg(layers)
+    with _steady_state(ctx, cfg) as (worker, batch):
         worker.update(batch)
         peaks = None
         if device_memory() is not None:
             peaks = {"max_allocated": torch.cuda.max_memory_allocated(), "max_reserved": torch.cuda.max_memory_reserved()}
-        worker.shutdown()
     return {"layers": layers, "params": planner.rank_param_counts(cfg).total,
             "predicted": predicted_bytes(cfg, MEMORY_TOKENS, MEMORY_SEQ), "measured": peaks}
 
 
 def memory_census(ctx: Context, layers: int) -> dict:
-    """The same shape's update under torch's MemTracker, as the fake-CUDA probe runs it: the bytes of each
-    planner line at the forward/backward peak and at the optimizer step's, the activations one micro-batch
-    keeps, and the allocator's peak before the step. A diagnostic for the planner's calibration."""
-    from megatron_arpo.fake_cuda.memory_probe import breakdown, probe_batch, tracked_update
+    """The same shape's steady-state update under torch's MemTracker, as the fake-CUDA probe runs it: the
+    bytes of each planner line at the forward/backward peak and at the optimizer step's, the activations one
+    micro-batch keeps, and the allocator's peak before the step. A diagnostic for the planner's calibration."""
+    from megatron_arpo.fake_cuda.memory_probe import breakdown, tracked_update
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-    cfg = dataclasses.replace(load_model_config(MEMORY_BASE), name=f"{MEMORY_BASE}-{layers}l", num_hidden_layers=layers)
-    with device_session(ctx):
-        worker = _random_init_worker(ctx, cfg, MEMORY_SEQ, MEMORY_TOKENS)
-        batch = probe_batch(MEMORY_SEQ, MEMORY_TOKENS, 1, cfg.vocab_size)
-        worker.update(batch)  # the steady state, as memory_shape measures it: Adam's moments exist
-        if device_memory() is not None:
-            torch.cuda.reset_peak_memory_stats()
+    with _steady_state(ctx, _memory_cfg(layers)) as (worker, batch):
         allocator: dict = {}
 
         def before_step(*_) -> None:  # a step pre-hook returns None (or new args)
@@ -532,7 +536,6 @@ def memory_census(ctx: Context, layers: int) -> dict:
             tracked = tracked_update(worker, batch, next(worker.model.parameters()).device)
         finally:
             hook.remove()
-        worker.shutdown()
     grads, main = tracked["grads"], tracked["main"]
     return {"forward_backward": breakdown(tracked["train_peak"], grads, main),
             "optimizer_step": breakdown(tracked["peak"], grads, main), "kept": tracked["kept"],
@@ -576,8 +579,7 @@ def memory(ctx: Context, result: Result) -> None:
         except (RuntimeError, subprocess.TimeoutExpired) as exc:
             result.note(f"{layers}l census failed: {str(exc)[-300:]}")
             continue
-        predicted = predicted_bytes(dataclasses.replace(load_model_config(MEMORY_BASE), num_hidden_layers=layers),
-                                    MEMORY_TOKENS, MEMORY_SEQ)
+        predicted = predicted_bytes(_memory_cfg(layers), MEMORY_TOKENS, MEMORY_SEQ)
         for line in ("params", "grads", "optimizer", "activations", "temporaries"):
             result.number(f"{layers}l.planner.{line}_gib", predicted[line] / 2**30)
         for phase in ("forward_backward", "optimizer_step"):

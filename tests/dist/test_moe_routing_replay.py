@@ -15,6 +15,7 @@ import torch
 
 from megatron_arpo.device.local_ranks import run_distributed
 from megatron_arpo.tiny.checkpoint import tiny_checkpoint
+from test_moe_train import _config as moe_config
 
 pytestmark = pytest.mark.slow
 
@@ -23,16 +24,7 @@ LENGTHS = [[30, 21, 12], [17, 9]]  # per DP rank
 
 
 def _config(ep: int):
-    from megatron_arpo.config import build_config
-
-    return build_config({
-        "model": {"config": NAME}, "tools": {"search": {"enabled": False}},
-        "data": {"max_prompt_tokens": 24}, "rollout": {"response_length": 40, "n": 2, "initial_rollouts": 2},
-        "trainer": {"train_batch_size": 4, "keep_last": 2},
-        "algorithm": {"use_reference": False, "kl": {"coef": 0.0}},
-        "actor": {"tensor_parallel": 1, "expert_parallel": ep, "params_dtype": "fp32", "mini_batch_size": 2,
-                  "micro_batch_tokens": 64, "optimizer": {"lr": 1e-3}, "moe_routing_replay": True},
-    })
+    return moe_config(ep, moe_routing_replay=True)
 
 
 def _perturb_routers(model) -> None:

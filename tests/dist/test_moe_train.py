@@ -24,7 +24,8 @@ SHARDS = [[40, 33, 20, 18], [7]]  # sequence lengths per DP rank: 3 micro-batche
 ADVANTAGES = [[1.0, -0.5, 0.7, -1.2], [0.3]]
 
 
-def _config(ep: int):
+def _config(ep: int, **actor):
+    """The tiny MoE's experiment at EP ``ep``; ``actor``: further actor keys (tests/dist/test_moe_routing_replay.py)."""
     from megatron_arpo.config import build_config
 
     return build_config({
@@ -33,7 +34,7 @@ def _config(ep: int):
         "trainer": {"train_batch_size": 4, "keep_last": 2},
         "algorithm": {"use_reference": False, "kl": {"coef": 0.0}},
         "actor": {"tensor_parallel": 1, "expert_parallel": ep, "params_dtype": "fp32", "mini_batch_size": 2,
-                  "micro_batch_tokens": 64, "optimizer": {"lr": 1e-3}},
+                  "micro_batch_tokens": 64, "optimizer": {"lr": 1e-3}, **actor},
     })
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import base64
 import json
+import subprocess
 import sys
 import time
 import traceback
@@ -206,6 +207,17 @@ def main(argv: list[str]) -> int:
     results = run_ranks(spec)
     Path(argv[1]).write_text(json.dumps(results))
     return 0 if all("error" not in r for r in results.values()) else 1
+
+
+def run_in_subprocess(name: str, spec: dict, work: Path) -> dict:
+    """This script on ``spec`` in a fresh process (the harness changes process-wide torch state), in ``work``:
+    its per-rank results, plus ``_work``."""
+    (work / "spec.json").write_text(json.dumps(spec))
+    proc = subprocess.run([sys.executable, __file__, str(work / "spec.json"), str(work / "out.json")],
+                          capture_output=True, text=True, timeout=600)
+    if not (work / "out.json").exists():
+        raise AssertionError(f"scenario {name} died (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads((work / "out.json").read_text()) | {"_work": str(work)}
 
 
 if __name__ == "__main__":

@@ -14,18 +14,16 @@ router would (see the harness docstring), so every expert receives tokens.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from megatron_arpo.tiny.checkpoint import tiny_checkpoint
+from scenario import run_in_subprocess
 
 pytestmark = pytest.mark.slow
 
-SCENARIO = Path(__file__).with_name("scenario.py")
 MODEL = "tiny-qwen3-moe"
 # name -> (tp, dp, ep, ranks run: the EP group of rank 0, the other EP rank first so that rank 0 gets its
 # messages; sequence parallel, recompute). Megatron's MoE layer refuses to train at TP > 1 without sequence
@@ -39,12 +37,7 @@ def _run(name: str, root: Path) -> dict:
     work.mkdir()
     spec = {"model": MODEL, "tp": tp, "pp": 1, "dp": dp, "ep": ep, "ranks": ranks, "sequence_parallel": sp,
             "recompute": recompute, "hf_dir": str(tiny_checkpoint(MODEL)), "work_dir": str(work)}
-    (work / "spec.json").write_text(json.dumps(spec))
-    proc = subprocess.run([sys.executable, str(SCENARIO), str(work / "spec.json"), str(work / "out.json")],
-                          capture_output=True, text=True, timeout=600)
-    if not (work / "out.json").exists():
-        raise AssertionError(f"scenario {name} died (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads((work / "out.json").read_text()) | {"_work": str(work)}
+    return run_in_subprocess(name, spec, work)
 
 
 @pytest.fixture(scope="module")

@@ -13,18 +13,16 @@ checkpoint) run in one subprocess per scenario, rank 4 first so that rank 0 rece
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from megatron_arpo.tiny.checkpoint import tiny_checkpoint
+from scenario import run_in_subprocess
 
 pytestmark = pytest.mark.slow
 
-SCENARIO = Path(__file__).with_name("scenario.py")
 LAST, FIRST = 4, 0  # Megatron's rank order tp-cp-ep-dp-pp: rank = tp + 2 * dp + 4 * pp
 SCENARIOS = {  # name -> (model, sequence_parallel, recompute)
     "qwen3": ("tiny-qwen3", False, "none"),
@@ -41,12 +39,7 @@ def _run(name: str, root: Path) -> dict:
     spec = {"model": model, "tp": 2, "pp": 2, "dp": 2, "ranks": [LAST, FIRST], "sequence_parallel": sp,
             "recompute": recompute,
             "hf_dir": str(tiny_checkpoint(model)), "work_dir": str(work)}
-    (work / "spec.json").write_text(json.dumps(spec))
-    proc = subprocess.run([sys.executable, str(SCENARIO), str(work / "spec.json"), str(work / "out.json")],
-                          capture_output=True, text=True, timeout=600)
-    if not (work / "out.json").exists():
-        raise AssertionError(f"scenario {name} died (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads((work / "out.json").read_text()) | {"_work": str(work)}
+    return run_in_subprocess(name, spec, work)
 
 
 @pytest.fixture(scope="module")
