@@ -11,13 +11,16 @@ each answer (the FlashRAG ``POST /retrieve`` format that ``HttpRetrieverBackend`
 is off, so every call pays it. The python tool runs as usual (no injected latency).
 
 Modes: ``sync`` (``trainer.mode: sync``), ``k1``/``k2`` (``off_policy`` with ``rollout.max_staleness`` 1/2),
-alternated within each repeat. Per run, from its metrics.jsonl: tokens/s = sum of ``actor/tokens`` over the
+``k1-inflight``/``k2-inflight`` (the same with ``rollout.in_flight_updates``: batch calls side by side and
+through the weight syncs), alternated within each repeat. ``--search-concurrency`` sets
+``tools.search.max_concurrency`` in every mode alike (the retriever is a remote service; the demo's
+client-side limit of 4 makes the tool pool, not the engine, the bottleneck of every mode). Per run, from its metrics.jsonl: tokens/s = sum of ``actor/tokens`` over the
 sum of ``time/step_s`` (first step's start to last step's end; start-up, the final checkpoint excluded);
 engine and actor idle shares from ``offpolicy/*``, or in sync mode from the phase timers (engines idle
 outside ``time/rollout_s``, the actor idle inside it).
 
-    python benchmarks/off_policy.py [--steps 10 --latencies 1,3 --modes sync,k1,k2 --repeats 3
-                                     --json out.json --work-dir runs/bench-off-policy]
+    python benchmarks/off_policy.py [--steps 10 --latencies 1,3 --modes sync,k1,k1-inflight --repeats 3
+                                     --search-concurrency 16 --json out.json --work-dir runs/bench-off-policy]
 """
 
 from __future__ import annotations
@@ -44,7 +47,9 @@ from megatron_arpo.tools.search import LocalBM25Backend  # noqa: E402
 CONFIG = "configs/demo.yaml"
 MODES = {"sync": ["trainer.mode=sync"],
          "k1": ["trainer.mode=off_policy", "rollout.max_staleness=1"],
-         "k2": ["trainer.mode=off_policy", "rollout.max_staleness=2"]}
+         "k2": ["trainer.mode=off_policy", "rollout.max_staleness=2"],
+         "k1-inflight": ["trainer.mode=off_policy", "rollout.max_staleness=1", "rollout.in_flight_updates=true"],
+         "k2-inflight": ["trainer.mode=off_policy", "rollout.max_staleness=2", "rollout.in_flight_updates=true"]}
 # Equal in every mode: separate pools, nothing outside the N steps (validation, HF export), no tool cache.
 COMMON_SETS = ("trainer.placement=separate", "trainer.actor_devices=1", "trainer.rollout_devices=1",
                "launcher.num_cpus=2", "trainer.val_every=0", "trainer.val_before_train=false",
@@ -209,13 +214,15 @@ def format_table(summary: Mapping, records: Sequence[Mapping]) -> str:
     return "\n".join(lines)
 
 
-def train_once(demo: Demo, work_dir: Path, mode: str, latency: float, repeat: int, steps: int) -> dict:
+def train_once(demo: Demo, work_dir: Path, mode: str, latency: float, repeat: int, steps: int,
+               search_concurrency: int | None = None) -> dict:
     run_dir = work_dir / f"lat{latency:g}-{mode}-r{repeat}"
     if run_dir.exists():
         subprocess.run(["rm", "-rf", str(run_dir)], check=True)
     with LatencyRetriever(demo.data_dir / "demo_corpus.jsonl", latency) as server:
         sets = [*demo.path_overrides(), *COMMON_SETS, f"tools.search.url={server.url}", f"trainer.run_dir={run_dir}",
-                f"trainer.total_steps={steps}", *MODES[mode]]
+                f"trainer.total_steps={steps}", *MODES[mode],
+                *([f"tools.search.max_concurrency={search_concurrency}"] if search_concurrency else [])]
         cmd = [sys.executable, "-m", "megatron_arpo", "train", "--config", CONFIG, "--resume", "none"]
         for item in sets:
             cmd += ["--set", item]
@@ -241,6 +248,8 @@ def main(argv=None) -> int:
     parser.add_argument("--latencies", default="1,3", help="seconds per search call, comma-separated")
     parser.add_argument("--modes", default="sync,k1,k2", help=f"comma-separated subset of {','.join(MODES)}")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--search-concurrency", type=int, default=None,
+                        help="tools.search.max_concurrency in every mode (default: the demo config's)")
     parser.add_argument("--json", type=Path, help="write the records and the summary here")
     parser.add_argument("--work-dir", type=Path, default=REPO / "runs" / "bench-off-policy")
     args = parser.parse_args(argv)
@@ -255,7 +264,8 @@ def main(argv=None) -> int:
     for latency in latencies:
         for repeat in range(1, args.repeats + 1):
             for mode in modes:  # alternated: sync, k1, k2, sync, k1, k2, ...
-                rec = train_once(demo, args.work_dir.resolve(), mode, latency, repeat, args.steps)
+                rec = train_once(demo, args.work_dir.resolve(), mode, latency, repeat, args.steps,
+                                 args.search_concurrency)
                 records.append(rec)
                 print(f"{latency:g} s {mode} repeat {repeat}: {rec['tokens_per_s']:.1f} tokens/s, "
                       f"{rec['step_s']:.1f} s/step (process {rec['process_s']:.0f} s)", flush=True)

@@ -638,6 +638,10 @@ def off_policy_problems(cfg: ExperimentConfig) -> list[str]:
     if r.max_staleness < 0:
         errors.append(f"rollout.max_staleness: {r.max_staleness} is below 0; allowed: 0 (on-policy) or more "
                       f"policy versions")
+    if r.in_flight_updates and (t.mode != "off_policy" or r.max_staleness < 1):
+        errors.append(f"rollout.in_flight_updates: true needs trainer.mode: off_policy and rollout.max_staleness >= 1 "
+                      f"(got mode {t.mode}, max_staleness {r.max_staleness}): with no staleness allowed no call can run "
+                      "through a weight sync. Set rollout.max_staleness: 1 or more, or rollout.in_flight_updates: false")
     if t.mode != "off_policy":
         return errors
     if t.placement == "colocated":

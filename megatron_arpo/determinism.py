@@ -78,6 +78,11 @@ def deterministic_problems(cfg: Any) -> list[str]:
         problems.append("trainer.deterministic: true with tools.search.backend: web; a live web search answers "
                         "differently on a rerun, so no run can repeat; use backend local or http over a frozen "
                         "index, or set trainer.deterministic: false")
+    if cfg.trainer.mode == "off_policy" and cfg.rollout.in_flight_updates:
+        problems.append("trainer.deterministic: true with rollout.in_flight_updates: true; the engines take each "
+                        "weight update wherever their responses happen to be, so which tokens the old weights "
+                        "sample depends on timing; set rollout.in_flight_updates: false (one batch call at a "
+                        "time, bit-reproducible) or trainer.deterministic: false")
     if os.environ.get("NCCL_ALGO") and os.environ["NCCL_ALGO"] not in _DETERMINISTIC_NCCL_ALGOS:
         problems.append(f"trainer.deterministic: true but NCCL_ALGO={os.environ['NCCL_ALGO']} is exported; only "
                         "Ring or Tree reduce in a fixed order: unset it or export NCCL_ALGO=Ring")

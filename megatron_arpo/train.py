@@ -66,10 +66,12 @@ def train(cfg, resume: str = "auto", replay_dir: str | None = None) -> int:
                         else:
                             prompts, indices, result = offp.take_batch(step, cancel_when=lambda: stop.requested)
                     tools_after = steps.tool_stats(rt)
+                    # off-policy with weights in flight: batch calls run on meanwhile (OffPolicyLoop.background)
+                    on_side = offp.background if offp is not None else (lambda work: work())
                     with timer("reward"):
-                        sources = steps.score(rt, result, prompts, rt.train, indices)
+                        sources = on_side(lambda: steps.score(rt, result, prompts, rt.train, indices))
                     with timer("advantage"):
-                        batch = steps.make_train_batch(rt, result)
+                        batch = on_side(lambda: steps.make_train_batch(rt, result))
                     phase = phases.switch_phase(rt, "train")  # colocated: the engines sleep, the actor onloads
                     if offp is not None:  # log-probs and update while the engines generate the next batches
                         logprob_info, weights, update = offp.train_while_generating(
@@ -91,14 +93,15 @@ def train(cfg, resume: str = "auto", replay_dir: str | None = None) -> int:
                     if offp is not None:
                         offp.check_engines()  # an engine that died during the update (or between calls): replaced, synced below
                     with timer("sync"):  # offload, wake the weights, sync, wake the KV cache (trainer/phases.py)
-                        sync = phases.switch_phase(rt, "rollout")
+                        # off-policy: an engine that dies during the sync is replaced and the sync runs again
+                        sync = offp.switch_to_rollout() if offp is not None else phases.switch_phase(rt, "rollout")
                     if rt.val is not None and t.val_every and checkpointing.is_due(step, t.val_every, rt.total_steps):
                         with timer("validate"):
                             val = steps.validate(rt, step)
                 rt.step = step
                 trajs = result.trajectories()
                 row = {**metrics.reward_metrics(trajs, sources),
-                       **metrics.rollout_metrics(result, offp.busy_s if offp else timer.seconds["rollout"]),
+                       **metrics.rollout_metrics(result, offp.engine_busy_s() if offp else timer.seconds["rollout"]),
                        **metrics.tool_metrics(trajs, result.stats, tools_before, tools_after, steps.tool_tags(rt, trajs)),
                        **metrics.token_statistics(batch, trajs, cfg.rollout.entropy_window),
                        **metrics.actor_metrics(update, logprob_info["padding_fraction"]),
@@ -115,14 +118,14 @@ def train(cfg, resume: str = "auto", replay_dir: str | None = None) -> int:
                     save_step_records(rt.run_dir / "rollouts", step, result)
                 if checkpointing.is_due(step, t.save_every, rt.total_steps) or stop.requested:
                     with timer("save"):
-                        checkpointing.save_checkpoint(rt)
+                        checkpointing.save_checkpoint(rt, stopping=stop.requested)
                     lead.observe(timer.seconds)  # the save time, for the preemption lead-time advice
                     logger.info("step %d: checkpoint saved in %.1f s", step, timer.seconds["save"])
 
         report.close()
         if stop.requested:
             if rt.step != rt.last_saved_step and rt.step > 0:
-                checkpointing.save_checkpoint(rt)
+                checkpointing.save_checkpoint(rt, stopping=True)
             code = stop.exit_code(cfg.launcher.preempt_exit_code)
             logger.warning("stopped at step %d on request; exit code %d", rt.step, code)
             return code

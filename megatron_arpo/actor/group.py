@@ -223,11 +223,14 @@ class ActorGroup:
                                      timeout=self.timeouts.save_s if timeout is None else timeout)[0]
 
     def sync_weights(self, engines: Any, *, verify: Optional[bool] = None, timeout: Optional[float] = None,
-                     keep_in_flight: bool = False, version: Optional[int] = None) -> dict:
+                     keep_in_flight: bool = False, clear_cache: bool = False,
+                     version: Optional[int] = None) -> dict:
         """Send the current weights into ``engines`` (a RolloutGroup, actor handles or EngineRefs); the report.
 
         ``keep_in_flight``: the engines pause their requests at a step boundary instead of needing to be idle,
         and resume them on the new weights (no prefix-cache reset: the paused requests hold their blocks);
+        with ``clear_cache`` the pause also drops the prefix cache and the paused requests' KV, which the new
+        weights recompute (no KV of the old weights outlives the sync);
         ``version``: the engines' policy version after the sync (None: one more than before). See
         docs/weight_sync.md.
 
@@ -239,6 +242,11 @@ class ActorGroup:
         timeout = self.timeouts.sync_s if timeout is None else timeout
         refs = ws.engine_refs(engines)
         start_kwargs, finish_kwargs = ws.in_flight_kwargs(keep_in_flight, version)
+        if clear_cache:
+            if not keep_in_flight:
+                raise ValueError("sync_weights: clear_cache applies to keep_in_flight=True (a default sync resets "
+                                 "the prefix cache after the load)")
+            start_kwargs["clear_cache"] = True
         if self._sync is None or [e.target for e in self._sync.engines] != [e.target for e in refs]:
             self._open_sync(refs, timeout, keep_in_flight)
         verify = verifies_sync(r.verify_sync, self._syncs_done) if verify is None else verify

@@ -119,16 +119,20 @@ def _cache(rt: Runtime) -> Any:
     return getattr(rt.tools, "cache", None) if rt.tools is not None else None
 
 
-def save_checkpoint(rt: Runtime) -> Path:
-    """Actor checkpoint with the driver state, then the tool cache snapshot inside it; prunes to keep_last."""
+def save_checkpoint(rt: Runtime, stopping: bool = False) -> Path:
+    """Actor checkpoint with the driver state, then the tool cache snapshot inside it; prunes to keep_last.
+    Off-policy batch calls still running (``rollout.in_flight_updates``) finish first, or with ``stopping`` (a
+    stop request) are cancelled, so that the buffer, the sampler and the batch numbers saved agree."""
     t = rt.cfg.trainer
+    if getattr(rt, "off_policy", None) is not None:
+        rt.off_policy.settle(cancel=stopping)
     path = Path(rt.actor.save(str(rt.checkpoint_root), driver_state(rt), step=rt.step, keep_last=t.keep_last,
                               timeout=t.timeouts.save_s))
     cache = _cache(rt)
     if cache is not None:
         cache.export(str(path / TOOL_CACHE_SNAPSHOT))
     if getattr(rt, "off_policy", None) is not None:
-        rt.off_policy.save(path)  # the buffer's finished groups (nothing is in flight between steps)
+        rt.off_policy.save(path)  # the buffer's finished groups (settled above: no call runs)
     rt.last_saved_step = rt.step
     logger.info("checkpoint %s saved", path)
     return path

@@ -1,35 +1,46 @@
 """The ``trainer.mode: off_policy`` loop parts: the engines generate the next batches while the actor trains.
 
-Batches are generated one scheduler call at a time, as in sync mode: ``train_batch_size`` prompts from the
-sampler, ``call_key = "train-<j>"`` for the j-th batch, so every draw is a function of the seed and j. The
-finished groups go into the ``RolloutBuffer`` (megatron_arpo/rollout/buffer.py). One step:
+A batch is one scheduler call: ``train_batch_size`` prompts from the sampler, ``call_key = "train-<j>"``
+for the j-th batch, so every draw is a function of the seed and j, as in sync mode. Finished calls go into
+the ``RolloutBuffer`` (megatron_arpo/rollout/buffer.py) in batch order. Batch j is trained by the update
+that makes version j, so it may start while the engines hold a version v with ``j - 1 - v <=
+max_staleness`` (and the buffer has room). One step:
 
 1. ``take_batch``: the oldest ``train_batch_size`` fit groups; while the buffer has too few, the engines
    generate (the actor waits: actor idle time).
 2. score and advantages as in sync mode.
 3. ``train_while_generating``: the actor's part — log-probs, then ``add_behaviour_weights`` (decoupled PPO's
    weights, megatron_arpo/algo/off_policy.py, when a token of the batch was sampled by an older version),
-   then the update — runs in a worker thread while the engines generate batch j on the policy version they
-   hold, for each j the staleness bound admits (``j - 1 - version <= max_staleness``: batch j is trained by
-   the update that makes version j, if no group is dropped) and the buffer has room. No call starts after
-   the update returns; the call running then finishes first (the actor waits: actor idle time).
-4. the usual weight sync (train.py), engines idle between calls (the in-flight update of
-   ``start_weight_update(keep_in_flight=True)`` is not used yet), then ``rt.group`` holds the new version.
+   then the update — runs in a worker thread while the engines generate the batches the bound admits.
+4. the weight sync (train.py), then ``rt.group`` holds the new version.
+
+Two producers, by ``rollout.in_flight_updates``:
+
+- false (default): one call at a time. No call starts after the update returns; the call running then
+  finishes first (the actor waits: actor idle time), and the sync runs on idle engines. Bit-reproducible.
+- true: up to ``max_staleness + 1`` calls side by side, started as soon as the bound admits them (in
+  ``take_batch`` too), and running on through the sync: the engines pause at a step boundary, drop the
+  prefix cache and the paused requests' KV, load, resume on the new version (``ActorGroup.sync_weights``
+  with ``keep_in_flight`` and ``clear_cache``), so one response's tokens can carry two versions. The
+  tail of one batch (trajectories waiting on tools) overlaps the head of the next. Where the pause lands
+  depends on timing: runs are not bit-reproducible.
 
 With ``max_staleness: 0`` step 3 never admits a batch, so each batch is generated after the previous
 update's sync, at the version it trains: the trajectories and the losses of sync mode, bit for bit.
 
-A checkpoint (taken between steps, when no call runs) saves the buffer's finished groups, the next
-batch number and the counters of the calls finished since the last take; the resumed run trains those
-groups first and continues the batch numbers. A call cancelled by a stop request loses its groups
-(counted as dropped in flight) and gives its prompts back to the sampler; a step abandoned before its
-update puts its batch back in front (docs/off_policy.md, "Checkpoints and resume").
+A checkpoint saves the buffer's finished groups, the next batch number and the counters of the calls
+finished since the last take; calls still running finish first (``settle``), or with a stop request are
+cancelled. The resumed run trains those groups first and continues the batch numbers. A call cancelled by
+a stop request loses its groups (counted as dropped in flight) and gives its prompts back to the sampler
+(with every later call: they drew after it); a step abandoned before its update puts its batch back in
+front (docs/off_policy.md, "Checkpoints and resume").
 
-An engine actor that dies during a call loses that call's groups only (counted as dropped in flight, their
-prompts drawn again): ``restart_dead_engines`` replaces it on its placement and syncs the current weights
-into it, at most ``rollout.max_engine_restarts`` times per run. Seen in ``take_batch`` it happens at once;
-seen while the actor trains, the engines stop generating and it happens after the update, before the
-step's sync (the actor's weights are mid-update until then).
+An engine actor that dies during a call loses that call's groups (and those of later calls still running,
+which drew their prompts after it), counted as dropped in flight, their prompts drawn again:
+``restart_dead_engines`` replaces it on its placement and syncs the current weights into it, at most
+``rollout.max_engine_restarts`` times per run. Seen in ``take_batch`` it happens at once; seen while the
+actor trains, the engines stop generating and it happens after the update, before the step's sync (the
+actor's weights are mid-update until then).
 """
 
 from __future__ import annotations
@@ -38,13 +49,14 @@ import asyncio
 import logging
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from megatron_arpo.algo.off_policy import sequence_weights, token_lags
 from megatron_arpo.errors import first_line
 from megatron_arpo.rollout.buffer import BufferedGroup, RolloutBuffer
-from megatron_arpo.trainer import steps
+from megatron_arpo.trainer import phases, steps
 from megatron_arpo.trainer.signals import StepAborted
 from megatron_arpo.trainer.state import Runtime
 
@@ -52,6 +64,19 @@ logger = logging.getLogger(__name__)
 
 BUFFER_FILE = "rollout_buffer.json"
 _STAT_KEYS_MAX = ("barrier_rounds",)  # scheduler counters that are not summed over calls
+
+
+@dataclass
+class _Call:
+    """One batch call: its prompts, the sampler state before they were drawn, the task, the engines' version at
+    its start."""
+    number: int
+    prompts: list
+    indices: list[int]
+    sampler_before: dict
+    task: "asyncio.Future[Any]"
+    version: int
+    restarts: int  # engine restarts before it started: a death it reports may be of an engine since replaced
 
 
 class OffPolicyLoop:
@@ -64,10 +89,15 @@ class OffPolicyLoop:
         self.max_restarts = rt.cfg.rollout.max_engine_restarts
         self.restarts = 0                  # engine actors replaced in this run (this process)
         self.dead: Optional[BaseException] = None  # an engine death seen while the actor trains, not yet handled
+        self.dead_before_restart = False   # ... reported by a call that started before the last engine restart
         r, t = rt.cfg.rollout, rt.cfg.trainer
         self.buffer = RolloutBuffer(r.buffer_groups, r.max_staleness)
         self.batch_size = t.train_batch_size
-        self.next_batch = rt.step + 1     # the call_key number of the next batch the engines generate
+        self.next_batch = rt.step + 1     # the call_key number of the next batch call to start
+        # rollout.in_flight_updates: calls run concurrently up to the staleness bound and across weight syncs
+        self.in_flight_updates = r.in_flight_updates
+        self.calls: dict[int, _Call] = {}  # started and not yet in the buffer, by batch number (start order)
+        self._busy_since: Optional[float] = None  # a call has been running since then
         self.stats: dict[str, float] = {}  # scheduler counters of the calls finished since the last take
         self.busy_s = 0.0                  # engines generating, this step
         self.waited_s = 0.0                # actor waiting for a batch or for the last call before the sync
@@ -86,35 +116,139 @@ class OffPolicyLoop:
         return (ahead <= self.buffer.max_staleness and self.buffer.room >= self.batch_size
                 and self.next_batch <= limit_batches)
 
-    async def _generate_one(self) -> None:
+    def running(self) -> int:
+        """Batch calls still generating."""
+        return sum(not c.task.done() for c in self.calls.values())
+
+    def _launch(self, limit_batches: int, cancel_when: Optional[Callable[[], bool]] = None,
+                at_least_one: bool = False) -> None:
+        """Start every batch call the staleness bound and the buffer admit: one at a time, or with
+        ``rollout.in_flight_updates`` as many as admitted, each drawing its prompts in batch order.
+        ``at_least_one`` (the actor waits for a batch): with no call running, one starts whatever the bound
+        says, as long as the buffer has room (the engines hold the version being trained)."""
+        most = self.buffer.max_staleness + 1 if self.in_flight_updates else 1
+        while (self.dead is None and self.running() < most and self._admissible(limit_batches)
+               and not (cancel_when and cancel_when())):
+            self._start_call()
+        if at_least_one and self.dead is None and not self.running() and self.buffer.room >= self.batch_size:
+            self._start_call()
+
+    def _start_call(self) -> None:
         rt = self.rt
         sampler_before = rt.sampler.state_dict()
         prompts, indices = steps.next_prompts(rt)
         number = self.next_batch
         self.buffer.reserve(len(prompts))
-        start = time.perf_counter()
-        try:
-            result = await rt.scheduler.run(prompts, call_key=f"train-{number}", options=None)
-        except BaseException as exc:  # cancelled by a stop request (StepAborted), an engine died, a timeout
-            self.buffer.lose_in_flight(len(prompts))
-            rt.sampler.load_state_dict(sampler_before)  # its prompts are drawn again by the next call
-            if is_engine_death(exc):
+        self.next_batch += 1
+        if not self.running():
+            self._busy_since = time.perf_counter()
+        task = asyncio.ensure_future(rt.scheduler.run(prompts, call_key=f"train-{number}", options=None))
+        self.calls[number] = _Call(number, prompts, indices, sampler_before, task,
+                                   rt.group.engines[0].version if rt.group is not None else rt.policy_version,
+                                   self.restarts)
+        task.add_done_callback(self._call_ended)
+
+    def engine_busy_s(self) -> float:
+        """Seconds of this step during which at least one batch call ran."""
+        running_since = time.perf_counter() - self._busy_since if self._busy_since is not None else 0.0
+        return self.busy_s + running_since
+
+    def _call_ended(self, _task: Any) -> None:
+        if not self.running() and self._busy_since is not None:
+            self.busy_s += time.perf_counter() - self._busy_since
+            self._busy_since = None
+
+    def _collect(self) -> int:
+        """Finished calls into the buffer, in batch order (a later call waits for an earlier one); a failed call
+        drops itself and every later one (`_drop_from`). Returns the calls put; raises a failure other than an
+        engine death."""
+        for number, call in list(self.calls.items()):
+            if call.task.done() and not call.task.cancelled() and is_engine_death(call.task.exception()):
+                exc = call.task.exception()
                 logger.warning("off-policy: an engine actor died during batch %d (%s); its %d in-flight groups are "
                                "lost and their prompts drawn again; restarting the engine", number,
-                               first_line(exc), len(prompts))
+                               first_line(exc), len(call.prompts))
+                self.dead = exc
+                self.dead_before_restart = call.restarts < self.restarts
+                self._drop_from(number)
+                break
+        put = 0
+        while self.calls:
+            number, call = next(iter(self.calls.items()))
+            if not call.task.done():
+                break
+            if call.task.cancelled() or call.task.exception() is not None:
+                exc = call.task.exception() if not call.task.cancelled() else asyncio.CancelledError()
+                self._drop_from(number)
+                raise exc
+            result = call.task.result()
+            del self.calls[number]
+            steps.check_tool_backends(result.trajectories(), number)
+            self.buffer.put([BufferedGroup(p.prompt_id, list(p.token_ids), i, g)
+                             for p, i, g in zip(call.prompts, call.indices, result.groups)])
+            for key, value in result.stats.items():
+                if isinstance(value, (int, float)):
+                    old = self.stats.get(key, 0.0)
+                    self.stats[key] = max(old, value) if key in _STAT_KEYS_MAX else old + value
+            put += 1
+            logger.info("off-policy: batch %d generated from policy version %d on (%d groups buffered)", number,
+                        call.version, len(self.buffer))
+        return put
+
+    def _drop_from(self, number: int) -> None:
+        """Call ``number`` and every later one are lost (counted as dropped in flight; running ones cancelled):
+        the sampler goes back to before ``number``'s prompts, which the next call draws again."""
+        lost = [c for n, c in self.calls.items() if n >= number]
+        for call in lost:
+            call.task.cancel()
+            self.buffer.lose_in_flight(len(call.prompts))
+            del self.calls[call.number]
+        self.rt.sampler.load_state_dict(lost[0].sampler_before)
+        self.next_batch = number
+
+    async def _wait_any(self, *others: Any) -> None:
+        pending = [c.task for c in self.calls.values() if not c.task.done()] + [o for o in others if not o.done()]
+        if pending:
+            await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+
+    async def _cancel_all(self) -> None:
+        if self.calls:
+            tasks = [c.task for c in self.calls.values()]
+            self._drop_from(min(self.calls))
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _finish_running(self) -> None:
+        """Wait for every running call and put what it generated (a death is noted, not raised)."""
+        try:
+            while self.running():
+                await self._wait_any()
+                self._collect()
+            self._collect()
+        except asyncio.CancelledError:
+            await self._cancel_all()
             raise
-        finally:
-            self.busy_s += time.perf_counter() - start
-        steps.check_tool_backends(result.trajectories(), number)
-        self.buffer.put([BufferedGroup(p.prompt_id, list(p.token_ids), i, g)
-                         for p, i, g in zip(prompts, indices, result.groups)])
-        for key, value in result.stats.items():
-            if isinstance(value, (int, float)):
-                old = self.stats.get(key, 0.0)
-                self.stats[key] = max(old, value) if key in _STAT_KEYS_MAX else old + value
-        self.next_batch += 1
-        logger.info("off-policy: batch %d generated on policy version %d (%d groups buffered)", number,
-                    rt.group.engines[0].version, len(self.buffer))
+
+    def settle(self, cancel: bool) -> None:
+        """Before a checkpoint: no call may run, so that the buffer, the sampler and the batch numbers saved agree.
+        ``cancel`` (a stop request): the running calls are cancelled, their groups counted as dropped in flight
+        and their prompts drawn again after the resume; otherwise they finish first."""
+        if not self.calls:
+            return
+        if cancel:
+            self._collect()  # the calls that finished go into the buffer; the rest are lost
+            self.rt.run_async(self._cancel_all(), 60.0, "the cancellation of the running batch calls",
+                              "trainer.timeouts.rollout_s")
+            return
+        self.rt.run_async(self._finish_running(), self.rt.cfg.trainer.timeouts.rollout_s,
+                          "the batch calls running at the checkpoint", "trainer.timeouts.rollout_s")
+
+    def close(self) -> None:
+        """Cancel the calls still running (the run ends or failed)."""
+        if self.calls and not self.rt.loop.is_closed():
+            try:
+                self.rt.loop.run_until_complete(asyncio.wait_for(self._cancel_all(), 30))
+            except Exception as exc:  # closing: report, go on
+                logger.warning("off-policy: cancelling the running batch calls failed: %s", first_line(exc))
 
     # ------------------------------------------------------------------ one step
     def take_batch(self, step: int, cancel_when: Optional[Callable[[], bool]] = None) -> tuple[list, list[int], Any]:
@@ -126,6 +260,8 @@ class OffPolicyLoop:
         rt = self.rt
         self.step_start = time.perf_counter()
         self.busy_s = self.waited_s = 0.0
+        if self._busy_since is not None:  # a call runs on from the last step: this step counts from now
+            self._busy_since = self.step_start
         # Nothing taken yet: a stop that cancels this take puts back nothing (the last batch was trained).
         self.taken, self.taken_stats = [], {}
         version = rt.policy_version
@@ -133,31 +269,33 @@ class OffPolicyLoop:
 
         async def fill() -> None:
             calls = 0
-            if self.dead is not None:  # seen during the last update and not replaced (check_engines not run)
-                await self.restart_dead_engines(self.dead)
-            while not self.buffer.ready(self.batch_size, version):
-                self.buffer.drop_stale(version)
-                if self.buffer.room < self.batch_size:
-                    raise RuntimeError(f"the rollout buffer has no room for a batch ({len(self.buffer)} finished, "
-                                       f"{self.buffer.in_flight} in flight, capacity {self.buffer.capacity}); "
-                                       f"raise rollout.buffer_groups")
-                if calls > self.buffer.max_staleness + 1:
-                    # batches generated now, on the synced weights, cannot be stale unless the engines' tokens
-                    # carry another version than the trainer's: without this check the step regenerates forever
-                    raise RuntimeError(
-                        f"step {step}: {calls} batches generated on the synced weights were all dropped as older "
-                        f"than rollout.max_staleness={self.buffer.max_staleness} versions behind policy version "
-                        f"{version}; the engines label their tokens with another version (engine versions: "
-                        f"{[e.version for e in rt.group.engines] if rt.group is not None else None}). The weight "
-                        "sync must pass the trainer's version to the engines (steps.sync_weights)")
-                try:
-                    await self._generate_one()
-                except Exception as exc:
-                    if not is_engine_death(exc):
-                        raise
-                    await self.restart_dead_engines(exc)  # the actor waits: the engines are not in use
-                    continue
-                calls += 1
+            try:
+                while True:
+                    calls += self._collect()
+                    if self.dead is not None:  # seen now, or during the last update and not replaced yet
+                        await self.restart_dead_engines(self.dead)  # the actor waits: nothing to train yet
+                        continue
+                    if self.buffer.ready(self.batch_size, version):
+                        return
+                    self.buffer.drop_stale(version)
+                    if calls > self.buffer.max_staleness + 1:
+                        # batches generated now, on the synced weights, cannot be stale unless the engines' tokens
+                        # carry another version than the trainer's: without this check the step regenerates forever
+                        raise RuntimeError(
+                            f"step {step}: {calls} batches generated on the synced weights were all dropped as older "
+                            f"than rollout.max_staleness={self.buffer.max_staleness} versions behind policy version "
+                            f"{version}; the engines label their tokens with another version (engine versions: "
+                            f"{[e.version for e in rt.group.engines] if rt.group is not None else None}). The weight "
+                            "sync must pass the trainer's version to the engines (steps.sync_weights)")
+                    self._launch(rt.total_steps, at_least_one=True)
+                    if not self.running():
+                        raise RuntimeError(f"the rollout buffer has no room for a batch ({len(self.buffer)} finished, "
+                                           f"{self.buffer.in_flight} in flight, capacity {self.buffer.capacity}); "
+                                           f"raise rollout.buffer_groups")
+                    await self._wait_any()
+            except asyncio.CancelledError:  # a stop request: the running calls are lost, their prompts redrawn
+                await self._cancel_all()
+                raise
 
         wait_start = time.perf_counter()
         rt.run_async(fill(), rt.cfg.trainer.timeouts.rollout_s, f"the rollout for step {step}",
@@ -235,17 +373,20 @@ class OffPolicyLoop:
             finished: list[float] = []
             done.add_done_callback(lambda _: finished.append(time.perf_counter()))
             try:
-                while (not done.done() and self.dead is None and self._admissible(limit)
-                       and not (cancel_when and cancel_when())):
-                    try:
-                        await self._generate_one()  # a stop request is served after this call, at the step's end
-                    except Exception as exc:
-                        if not is_engine_death(exc):
-                            raise
-                        self.dead = exc  # replaced after the update (check_engines), not while it runs
+                while not done.done():
+                    self._collect()
+                    if not (cancel_when and cancel_when()):  # a stop request is served at the step's end
+                        self._launch(limit)
+                    await self._wait_any(done)
+                if not self.in_flight_updates:
+                    await self._finish_running()  # the sync needs idle engines: the actor waits for the call
+                self._collect()
                 return await done
+            except asyncio.CancelledError:
+                await self._cancel_all()
+                raise
             finally:
-                if finished:  # the actor finished during the last call: it waited for that call
+                if finished and not self.in_flight_updates:  # the actor waited for the call after its update
                     self.waited_s += max(time.perf_counter() - finished[0], 0.0)
 
         return rt.run_async(both(), timeout, "the actor's step (with the engines generating)", timeout_key)
@@ -258,8 +399,10 @@ class OffPolicyLoop:
         rt = self.rt
         dead = await find_dead_engines(rt.group.engines, exc)
         if not dead:
-            if exc is not None:  # raised by an engine actor but every engine answers: not a death to mend here
-                raise exc
+            stale = self.dead_before_restart or (exc is not None and names_a_replaced_engine(exc, rt.group.engines))
+            if exc is not None and not stale:
+                raise exc  # raised by an engine actor but every engine answers: not a death to mend here
+            self.dead = None  # or a second call of an engine already replaced (calls side by side)
             return
         cause = first_line(exc) if exc is not None else "its health call failed"
         if self.restart_engine is None or self.restarts + len(dead) > self.max_restarts:
@@ -276,6 +419,40 @@ class OffPolicyLoop:
         if sync:
             steps.sync_weights(rt)  # the new engines get the current weights and version (the others again)
 
+    def background(self, work: Callable[[], Any], timeout: float = 3600.0, what: str = "the trainer's work",
+                   timeout_key: str = "trainer.timeouts") -> Any:
+        """``work()``, with the event loop running while batch calls run (``rollout.in_flight_updates``): their
+        tool calls and next requests go on meanwhile, and no tool timeout counts a stopped loop. No call
+        starts. With no call running, ``work()`` runs here, as in sync mode."""
+        if not self.running():
+            return work()
+
+        async def pump() -> Any:
+            return await asyncio.get_running_loop().run_in_executor(None, work)
+
+        return self.rt.run_async(pump(), timeout, what, timeout_key)
+
+    def switch_to_rollout(self) -> dict[str, float]:
+        """The step's weight sync (``phases.switch_phase(rt, "rollout")``). An engine actor that dies during it is
+        replaced (within ``rollout.max_engine_restarts``) and the sync runs again into every engine: the
+        survivors hold a partial update until then and generate nothing. A sync that fails with every engine
+        alive is raised as it is (a transport or verification failure: nothing trains on those weights)."""
+        rt = self.rt
+        while True:
+            try:
+                return self.background(lambda: phases.switch_phase(rt, "rollout"), rt.cfg.trainer.timeouts.sync_s,
+                                       "the weight sync", "trainer.timeouts.sync_s")
+            except Exception as exc:
+                dead = rt.run_async(find_dead_engines(rt.group.engines, None), rt.cfg.trainer.timeouts.startup_s,
+                                    "the probe of the vLLM engines after a failed weight sync",
+                                    "trainer.timeouts.startup_s") if rt.group is not None else []
+                if not dead:
+                    raise
+                logger.warning("off-policy: vLLM engine %s died during the weight sync to version %d (%s); replacing "
+                               "it and syncing again", ", ".join(map(str, dead)), rt.policy_version, first_line(exc))
+                rt.run_async(self.restart_dead_engines(None, sync=False), rt.cfg.trainer.timeouts.startup_s,
+                             "the restart of the vLLM engines", "trainer.timeouts.startup_s")
+
     def check_engines(self) -> None:
         """After the update, before the step's sync: replace an engine that died while the actor trained
         (seen by a call, or found by a ``health`` probe when it died between calls); the step's sync, next,
@@ -289,6 +466,7 @@ class OffPolicyLoop:
         the engines are idle when no call runs, the actor when it waits for a batch or for the call that
         runs on after its update (before the sync)."""
         wall = max(time.perf_counter() - self.step_start, 1e-9)
+        busy = self.engine_busy_s()
         out: dict[str, float] = {
             "offpolicy/policy_version": float(self.rt.policy_version),
             "offpolicy/buffer_depth": float(len(self.buffer)),
@@ -296,8 +474,8 @@ class OffPolicyLoop:
             "offpolicy/dropped_stale_total": float(self.buffer.counters["dropped_stale"]),
             "offpolicy/dropped_in_flight_total": float(self.buffer.counters["dropped_in_flight"]),
             "offpolicy/engine_restarts_total": float(self.restarts),
-            "offpolicy/engine_idle_s": max(wall - self.busy_s, 0.0),
-            "offpolicy/engine_idle_frac": max(wall - self.busy_s, 0.0) / wall,
+            "offpolicy/engine_idle_s": max(wall - busy, 0.0),
+            "offpolicy/engine_idle_frac": max(wall - busy, 0.0) / wall,
             "offpolicy/actor_idle_s": self.waited_s,
             "offpolicy/actor_idle_frac": min(self.waited_s / wall, 1.0),
             **{f"offpolicy/{k}": v for k, v in weight_stats.items() if k != "lagged_tokens"},
@@ -366,14 +544,23 @@ def is_engine_death(exc: BaseException) -> bool:
     return isinstance(exc, RayActorError)
 
 
+def _actor_id(handle: Any) -> Optional[str]:
+    return getattr(getattr(handle.target, "_actor_id", None), "hex", lambda: None)()
+
+
+def names_a_replaced_engine(exc: BaseException, engines: Sequence[Any]) -> bool:
+    """Whether ``exc`` names, by actor id, an engine actor that is no longer one of ``engines``."""
+    named = getattr(exc, "actor_id", None)
+    return named is not None and is_engine_death(exc) and all(_actor_id(h) != named for h in engines)
+
+
 async def find_dead_engines(engines: Sequence[Any], exc: Optional[BaseException], probe_s: float = 30.0) -> list[int]:
     """Indices of the dead engines: the one ``exc`` names by actor id, and any whose ``health`` call fails
     with an actor error (a death without an id, or more than one)."""
     named = getattr(exc, "actor_id", None)
     dead = set()
     for handle in engines:
-        actor_id = getattr(getattr(handle.target, "_actor_id", None), "hex", lambda: None)()
-        if named is not None and actor_id == named:
+        if named is not None and _actor_id(handle) == named:
             dead.add(handle.index)
             continue
         try:

@@ -149,7 +149,8 @@ class Runtime:
         if self.closed:
             return
         self.closed = True
-        steps = [("tools", self._close_tools), ("actor", lambda: self.actor and self.actor.shutdown()),
+        steps = [("off-policy calls", lambda: self.off_policy and self.off_policy.close()),
+                 ("tools", self._close_tools), ("actor", lambda: self.actor and self.actor.shutdown()),
                  ("reference", lambda: self.reference and self.reference.shutdown()),
                  ("engines", self._stop_engines), ("resource pools", lambda: self.pools and self.pools.remove()),
                  ("leftover check", self._report_leftovers),

@@ -199,7 +199,12 @@ def sync_weights(rt: Runtime) -> dict[str, float]:
         return {}
     # verify: rollout.verify_sync (first sync by default). The engines label every token they sample from
     # now on with the trainer's version (a resumed run's first sync included), not a count of their syncs.
-    report = rt.actor.sync_weights(rt.group, version=rt.policy_version)
+    # rollout.in_flight_updates: batch calls run through the sync. The engines pause with their requests, drop
+    # the prefix cache and those requests' KV (recomputed on the new weights), load, resume.
+    offp = getattr(rt, "off_policy", None)
+    in_flight = ({"keep_in_flight": True, "clear_cache": True} if offp is not None and offp.in_flight_updates
+                 else {})
+    report = rt.actor.sync_weights(rt.group, version=rt.policy_version, **in_flight)
     rt.group.set_version(rt.policy_version)
     return sync_metrics(report)
 

@@ -5,6 +5,7 @@
   The determinism, off-policy and replay tests read it.
 - ``off_policy_run``: the same run with ``trainer.mode: off_policy`` and ``rollout.max_staleness: 0``,
   which must equal ``sync_run`` bit for bit (test_off_policy_train.py, test_train_determinism.py).
+- ``in_flight_run``: three off-policy steps with ``rollout.in_flight_updates`` (test_off_policy_train.py).
 
 Both run on the session's 2-raylet Ray cluster (``_ray_two_node_cluster``, tests/conftest.py).
 """
@@ -61,3 +62,11 @@ def sync_run(_ray_two_node_cluster, _shared_task) -> TrainRun:  # noqa: F811
 def off_policy_run(_ray_two_node_cluster, _shared_task) -> TrainRun:  # noqa: F811
     return _train(_ray_two_node_cluster, _shared_task, _shared_task.parent / "off", "trainer.mode=off_policy",
                   "rollout.max_staleness=0")
+
+
+@pytest.fixture(scope="session")
+def in_flight_run(_ray_two_node_cluster, _shared_task) -> TrainRun:  # noqa: F811
+    """Three steps with ``rollout.in_flight_updates`` (max_staleness 1), every sync checksummed."""
+    return _train(_ray_two_node_cluster, _shared_task, _shared_task.parent / "in-flight", "trainer.mode=off_policy",
+                  "rollout.max_staleness=1", "rollout.in_flight_updates=true", "rollout.verify_sync=true",
+                  "trainer.total_steps=3", "trainer.val_every=0", "trainer.export_hf_at_end=false")

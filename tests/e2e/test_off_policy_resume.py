@@ -13,7 +13,8 @@ by SIGTERM, resumed, and loses its vLLM engine once resumed (issue 26: resume, a
 3. Once the second run has logged a step of its own, its engine actor's process is SIGKILLed: the engine is
    replaced on its bundle and synced, and the run trains to its last step and exits 0. The kill lands while
    the engine generates the next batch, or between calls (found by the health probe before the step's
-   sync); a kill inside the weight sync itself is not handled (docs/off_policy.md) and would fail this test.
+   sync). A kill inside the weight sync itself is tested on scripted engines only
+   (tests/unit/test_off_policy_loop.py, docs/off_policy.md).
 4. An uninterrupted run of the same config is the reference: the resumed steps up to step 3 (whose batches
    were generated before the kill) have its trajectory records and metrics, bit for bit (wall-clock values
    and what the kill changes on the engine side aside).

@@ -6,6 +6,7 @@ Both runs are the session's shared ones (tests/e2e/conftest.py).
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -41,3 +42,24 @@ def test_max_staleness_0_gives_sync_trajectories_losses_and_weights(sync_run, of
     assert names
     for name in names:
         assert (runs["sync"] / "hf" / name).read_bytes() == (runs["off"] / "hf" / name).read_bytes(), name
+
+
+def test_in_flight_updates_train_with_every_sync_paused_and_verified(in_flight_run):
+    """``rollout.in_flight_updates`` on the real stack: batch calls side by side and through the syncs, each sync
+    pausing the vLLM engine (prefix cache and the paused requests' KV dropped) and checksummed after the load
+    (``verify_sync: true``). Whether a call is still running at a given sync depends on timing (the scripted-engine
+    test in tests/unit/test_off_policy_loop.py pins that down); the bound on every trained token does not."""
+    run = in_flight_run
+    rows = run.rows
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["actor/grad_norm"] > 0 for r in rows)
+    verified = [int(n) for n in re.findall(r"; (\d+) verified after load", run.log.read_text())]
+    assert len(verified) >= 3 and min(verified) > 0, verified  # every sync checked, one per step
+    for r in rows:
+        lags = [int(k.rsplit("/", 1)[1]) for k in r if k.startswith("offpolicy/token_share/")]
+        assert lags and max(lags) <= 1, r  # no trained token older than max_staleness
+        assert r["offpolicy/dropped_stale"] == 0
+    for step in (1, 2, 3):
+        records = load_records(run.run_dir / "rollouts" / f"step-{step}.jsonl")
+        sampled = {v for t in records for v in t.token_versions if v >= 0}
+        assert sampled and sampled <= {step - 2, step - 1} - {-1}, (step, sampled)

@@ -35,6 +35,17 @@ def test_a_live_web_search_is_refused_with_the_reason():
     assert not determinism.deterministic_problems(load_config(DEMO, overrides[:1]))
 
 
+def test_off_policy_weights_in_flight_are_refused_with_the_flag_and_the_default_producer_is_not():
+    off = ["trainer.placement=separate", "trainer.actor_devices=1", "trainer.rollout_devices=1",
+           "trainer.mode=off_policy", "rollout.max_staleness=1"]
+    with pytest.raises(ConfigError) as refused:
+        load_config(DEMO, ["trainer.deterministic=true", *off, "rollout.in_flight_updates=true"])
+    [problem] = [p for p in refused.value.errors if p.startswith("trainer.deterministic")]
+    assert "rollout.in_flight_updates: true" in problem and "rollout.in_flight_updates: false" in problem
+    assert not determinism.deterministic_problems(load_config(DEMO, ["trainer.deterministic=true", *off]))
+    assert not determinism.deterministic_problems(load_config(DEMO, [*off, "rollout.in_flight_updates=true"]))
+
+
 def test_a_non_deterministic_nccl_algorithm_in_the_environment_is_refused(monkeypatch):
     cfg = load_config(DEMO, ["trainer.deterministic=true"])
     monkeypatch.setenv("NCCL_ALGO", "CollnetDirect")

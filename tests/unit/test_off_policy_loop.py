@@ -52,6 +52,7 @@ class StandInActor:
         self.started = threading.Event()
         self.proximal: list = []
         self.syncs: list = []
+        self.kept_in_flight: list[bool] = []
 
     def _wait(self, phase):
         if self.wait_for_call == phase:
@@ -62,9 +63,11 @@ class StandInActor:
         return {"logprobs": self.proximal, "entropy": [[0.0] * len(row) for row in self.proximal],
                 "padding_fraction": 0.0}
 
-    def sync_weights(self, group, version):
+    def sync_weights(self, group, version, keep_in_flight=False, clear_cache=False):
         """What the weight sync does to the engines' labels (the weights of a scripted engine are its script)."""
         self.syncs.append((version, [e.target for e in group.engines]))
+        assert clear_cache == keep_in_flight  # no KV of the old weights outlives an in-flight sync
+        self.kept_in_flight.append(keep_in_flight)
         for handle in group.engines:
             handle.target.version = version
         return {"seconds": 1.0, "send_s": 1.0, "bytes": 0, "buckets": 0, "driver_bytes": 0, "driver_weight_bytes": 0}
@@ -77,11 +80,13 @@ class StandInActor:
 
 
 def make_runtime(tmp_path: Path, max_staleness: int, total_steps: int = 3, wait_for_call=None,
-                 engine_latency: float = 0.0, num_engines: int = 1, max_engine_restarts: int = 3):
+                 engine_latency: float = 0.0, num_engines: int = 1, max_engine_restarts: int = 3,
+                 in_flight_updates: bool = False):
     cfg = build_config({"model": {"config": "tiny-qwen3"}, "rollout": {"response_length": 512, "n": 2,
                                                                        "initial_rollouts": 2,
                                                                        "max_staleness": max_staleness,
-                                                                       "max_engine_restarts": max_engine_restarts},
+                                                                       "max_engine_restarts": max_engine_restarts,
+                                                                       "in_flight_updates": in_flight_updates},
                         "data": {"max_prompt_tokens": 256}, "tools": {"search": {"enabled": False}},
                         "launcher": {"gpus_per_node": 0}, "actor": {"mini_batch_size": BATCH},
                         "trainer": {"placement": "separate", "actor_devices": 1, "rollout_devices": 1,
@@ -364,3 +369,163 @@ def test_an_engine_that_died_between_calls_is_found_by_its_health_probe_before_t
     rt.group.engines[1].target.dead = True  # killed while no call ran (no call saw it)
     rt.off_policy.check_engines()
     assert restarted == [1] and rt.off_policy.restarts == 1
+
+
+# ---------------------------------------------------------------- rollout.in_flight_updates
+def in_flight_step(rt, step: int) -> dict:
+    """One off-policy step with the real sync call (steps.sync_weights), as train.py runs it."""
+    offp = rt.off_policy
+    prompts, indices, result = offp.take_batch(step)
+    trajs = result.trajectories()
+    batch = {"input_ids": [], "group_ids": [], "loss_mask": [[0] * len(t.prompt_token_ids) + t.loss_mask for t in trajs]}
+    rt.actor.proximal = [[0.0] * len(t.prompt_token_ids) + list(t.response_logprobs) for t in trajs]
+    rt.actor.started.clear()
+    _, weights, _ = offp.train_while_generating(batch, trajs, PhaseTimer(), lambda: False)
+    running_at_sync = offp.running()
+    offp.check_engines()
+    steps.sync_weights(rt)
+    return {"indices": indices, "trajs": trajs, "row": offp.metrics(trajs, weights), "running_at_sync": running_at_sync}
+
+
+def count_concurrent_calls(rt) -> dict:
+    seen = {"now": 0, "most": 0}
+    run = rt.scheduler.run
+
+    async def counted(*args, **kwargs):
+        seen["now"] += 1
+        seen["most"] = max(seen["most"], seen["now"])
+        try:
+            return await run(*args, **kwargs)
+        finally:
+            seen["now"] -= 1
+
+    rt.scheduler.run = counted
+    return seen
+
+
+def slow_after_batch_1(request) -> float:
+    """Requests of batch 1 take 0.05 s, later ones 0.5 s: batch 2 (started with batch 1) runs through step 1's sync."""
+    return 0.05 if request.request_id.startswith("train-1:") else 0.5
+
+
+def test_in_flight_updates_sync_while_a_call_runs_and_run_calls_side_by_side(tmp_path):
+    rt = make_runtime(tmp_path, max_staleness=1, total_steps=4, engine_latency=slow_after_batch_1,
+                      in_flight_updates=True)
+    seen = count_concurrent_calls(rt)
+    out = [in_flight_step(rt, s) for s in (1, 2, 3, 4)]
+    # batches 1 and 2 start together (both within the bound at version 0); never more than max_staleness + 1
+    assert seen["most"] == 2
+    # step 1's sync ran with batch 2 generating (the engines pause with its requests), the last one with none;
+    # every sync of the mode pauses the engines rather than needing them idle
+    assert out[0]["running_at_sync"] == 1 and out[-1]["running_at_sync"] == 0
+    assert rt.actor.kept_in_flight == [True] * 4
+    # batch 2: its first requests sampled by version 0, the second ones (0.5 s later) by version 1
+    assert {v for t in out[1]["trajs"] for v in t.token_versions if v != NOT_SAMPLED} == {0, 1}
+    assert out[1]["row"]["offpolicy/staleness/1"] == BATCH and 0.0 < out[1]["row"]["offpolicy/token_share/1"] < 1.0
+    for s, o in enumerate(out[1:], 2):  # batch s: started on version s - 2 or later, trained at s - 1
+        assert {v for t in o["trajs"] for v in t.token_versions if v != NOT_SAMPLED} <= {s - 2, s - 1}
+    assert [o["indices"] for o in out] == [[0, 1], [2, 3], [4, 5], [6, 7]]  # the sampler's order
+    offp = rt.off_policy
+    assert offp.buffer.counters["dropped_stale"] == 0 and offp.buffer.counters["dropped_in_flight"] == 0
+    assert offp.next_batch == 5 and offp.calls == {} and len(offp.buffer) == 0  # nothing beyond the run
+
+
+def test_in_flight_calls_finish_before_a_checkpoint_and_are_cancelled_by_a_stop(tmp_path):
+    rt = make_runtime(tmp_path, max_staleness=1, total_steps=4, engine_latency=slow_after_batch_1,
+                      in_flight_updates=True)
+    in_flight_step(rt, 1)
+    assert rt.off_policy.running() == 1
+    rt.off_policy.settle(cancel=False)  # a periodic checkpoint: batch 2 finishes into the buffer
+    assert rt.off_policy.calls == {} and len(rt.off_policy.buffer) == BATCH and rt.off_policy.next_batch == 3
+    in_flight_step(rt, 2)  # batch 3 runs on
+    before = rt.sampler.state_dict()
+    assert rt.off_policy.running() == 1 and rt.off_policy.next_batch == 4
+    rt.off_policy.settle(cancel=True)  # a stop request: batch 3 is lost, its prompts drawn again after the resume
+    offp = rt.off_policy
+    assert offp.calls == {} and offp.next_batch == 3 and offp.buffer.in_flight == 0
+    assert offp.buffer.counters["dropped_in_flight"] == BATCH
+    assert rt.sampler.state_dict() != before and rt.sampler.next_batch() == [4, 5]  # batch 3's prompts again
+    assert offp.state()["next_batch"] == 3
+
+
+def test_in_flight_updates_need_off_policy_and_a_staleness_bound():
+    base = {"model": {"config": "tiny-qwen3"}, "launcher": {"gpus_per_node": 0},
+            "trainer": {"placement": "separate", "actor_devices": 1, "rollout_devices": 1, "mode": "off_policy"}}
+    with pytest.raises(Exception, match=r"rollout.in_flight_updates: true needs .*max_staleness: 1 or more"):
+        build_config({**base, "rollout": {"in_flight_updates": True, "max_staleness": 0}})
+    sync = {**base, "trainer": {**base["trainer"], "mode": "sync"}}
+    with pytest.raises(Exception, match=r"got mode sync"):
+        build_config({**sync, "rollout": {"in_flight_updates": True}})
+
+
+def test_an_engine_dying_with_calls_side_by_side_loses_those_calls_and_keeps_the_data_order(tmp_path, caplog):
+    rt = make_runtime(tmp_path, max_staleness=1, total_steps=4, num_engines=2, engine_latency=0.05,
+                      in_flight_updates=True)
+    restarted = with_dying_engine(rt, "train-2")  # started with batch 1 at step 1; its engine serves both
+    out = [in_flight_step(rt, s) for s in (1, 2, 3, 4)]
+    offp = rt.off_policy
+    assert restarted == [1] and offp.restarts == 1  # once, although both calls may have seen the death
+    lost = offp.buffer.counters["dropped_in_flight"]
+    # batch 2; when batch 1 also had requests on engine 1, its death (seen later) drops it and every call
+    # started after it, the regenerated batch 2 included: they drew their prompts after batch 1's
+    assert lost >= BATCH and lost % BATCH == 0 and offp.buffer.in_flight == 0
+    assert [o["indices"] for o in out] == [[0, 1], [2, 3], [4, 5], [6, 7]]  # lost prompts drawn again, in order
+    for s, o in enumerate(out, 1):
+        assert all(s - 1 - t.oldest_version() <= 1 for t in o["trajs"])  # within the bound after the restart
+    assert out[-1]["row"]["offpolicy/engine_restarts_total"] == 1.0
+    assert offp.calls == {} and offp.next_batch == 5
+
+
+def test_an_engine_dying_inside_the_weight_sync_is_replaced_and_the_sync_runs_again(tmp_path, caplog):
+    from megatron_arpo.trainer.state import PhaseState
+    from megatron_arpo.weight_sync.protocol import WeightSyncError
+
+    rt = make_runtime(tmp_path, max_staleness=1, total_steps=3, num_engines=2, in_flight_updates=True)
+    rt.phases = PhaseState(sleep_level=None, offload=False)
+    restarted = with_dying_engine(rt, "never")
+    sync = rt.actor.sync_weights
+
+    def dies_inside(group, version, **kwargs):  # engine 1 dies after the sync began: the sync fails
+        if len(rt.actor.syncs) == 0 and not restarted:
+            group.engines[1].target.dead = True
+            raise WeightSyncError("weight sync: engine 1 failed in finish_weight_update: ActorDiedError")
+        return sync(group, version, **kwargs)
+
+    rt.actor.sync_weights = dies_inside
+    one = rt.off_policy.take_batch(1)
+    rt.policy_version = 1
+    rt.phases.weights_stale = True
+    row = rt.off_policy.switch_to_rollout()
+    assert restarted == [1] and rt.off_policy.restarts == 1
+    assert [v for v, _ in rt.actor.syncs] == [1] and row["sync/seconds"] == 1.0  # the sync again, into both
+    assert rt.group.engines[1].target in rt.actor.syncs[0][1] and not rt.phases.weights_stale
+    assert {e.version for e in rt.group.engines} == {1}
+    assert any("died during the weight sync to version 1" in r.getMessage() for r in caplog.records)
+    assert one[1] == [0, 1]
+
+    # a sync that fails with every engine alive (a transport or checksum failure) is not retried
+    rt.actor.sync_weights = lambda group, version, **kw: (_ for _ in ()).throw(WeightSyncError("checksum mismatch"))
+    rt.phases.weights_stale = True
+    with pytest.raises(WeightSyncError, match="checksum mismatch"):
+        rt.off_policy.switch_to_rollout()
+    assert rt.off_policy.restarts == 1
+
+
+def test_work_between_the_batch_and_the_update_keeps_the_running_calls_going(tmp_path):
+    # reward and advantages (train.py), the sync: with calls in flight they run in a worker thread while the
+    # event loop serves those calls; with none, in the caller's thread as in sync mode
+    rt = make_runtime(tmp_path, max_staleness=1, total_steps=4, engine_latency=slow_after_batch_1,
+                      in_flight_updates=True)
+    offp = rt.off_policy
+    offp.take_batch(1)  # batch 2 started with batch 1 and runs on (its requests take 0.5 s)
+    assert offp.running() == 1
+    threads = []
+
+    def work():
+        threads.append(threading.current_thread())
+        time.sleep(3.0)  # batch 2's requests (two rounds of 0.5 s) finish meanwhile
+        return "scored"
+
+    assert offp.background(work) == "scored"
+    assert threads[0] is not threading.main_thread() and offp.running() == 0
+    assert offp.background(lambda: threading.current_thread()) is threading.main_thread()

@@ -73,7 +73,7 @@ DRIVER = textwrap.dedent("""
         yield rt
 
 
-    def save_checkpoint(rt):
+    def save_checkpoint(rt, stopping=False):
         root = run_dir / "checkpoints"
         tmp, final = root / f".tmp-step-{rt.step}", root / f"step-{rt.step}"
         tmp.mkdir(parents=True, exist_ok=True)
