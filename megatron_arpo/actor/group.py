@@ -241,12 +241,7 @@ class ActorGroup:
         r = self.cfg.rollout
         timeout = self.timeouts.sync_s if timeout is None else timeout
         refs = ws.engine_refs(engines)
-        start_kwargs, finish_kwargs = ws.in_flight_kwargs(keep_in_flight, version)
-        if clear_cache:
-            if not keep_in_flight:
-                raise ValueError("sync_weights: clear_cache applies to keep_in_flight=True (a default sync resets "
-                                 "the prefix cache after the load)")
-            start_kwargs["clear_cache"] = True
+        start_kwargs, finish_kwargs = ws.in_flight_kwargs(keep_in_flight, version, clear_cache)
         if self._sync is None or [e.target for e in self._sync.engines] != [e.target for e in refs]:
             self._open_sync(refs, timeout, keep_in_flight)
         verify = verifies_sync(r.verify_sync, self._syncs_done) if verify is None else verify

@@ -236,8 +236,8 @@ class OffPolicyLoop:
             return
         if cancel:
             self._collect()  # the calls that finished go into the buffer; the rest are lost
-            self.rt.run_async(self._cancel_all(), 60.0, "the cancellation of the running batch calls",
-                              "trainer.timeouts.rollout_s")
+            self.rt.run_async(self._cancel_all(), self.rt.cfg.trainer.timeouts.rollout_s,
+                              "the cancellation of the running batch calls", "trainer.timeouts.rollout_s")
             return
         self.rt.run_async(self._finish_running(), self.rt.cfg.trainer.timeouts.rollout_s,
                           "the batch calls running at the checkpoint", "trainer.timeouts.rollout_s")
@@ -399,8 +399,7 @@ class OffPolicyLoop:
         rt = self.rt
         dead = await find_dead_engines(rt.group.engines, exc)
         if not dead:
-            stale = self.dead_before_restart or (exc is not None and names_a_replaced_engine(exc, rt.group.engines))
-            if exc is not None and not stale:
+            if exc is not None and not self.dead_before_restart:
                 raise exc  # raised by an engine actor but every engine answers: not a death to mend here
             self.dead = None  # or a second call of an engine already replaced (calls side by side)
             return
@@ -546,12 +545,6 @@ def is_engine_death(exc: BaseException) -> bool:
 
 def _actor_id(handle: Any) -> Optional[str]:
     return getattr(getattr(handle.target, "_actor_id", None), "hex", lambda: None)()
-
-
-def names_a_replaced_engine(exc: BaseException, engines: Sequence[Any]) -> bool:
-    """Whether ``exc`` names, by actor id, an engine actor that is no longer one of ``engines``."""
-    named = getattr(exc, "actor_id", None)
-    return named is not None and is_engine_death(exc) and all(_actor_id(h) != named for h in engines)
 
 
 async def find_dead_engines(engines: Sequence[Any], exc: Optional[BaseException], probe_s: float = 30.0) -> list[int]:

@@ -481,14 +481,18 @@ def wait_engines(futures: Sequence[concurrent.futures.Future], engines: Sequence
             time.sleep(poll_s / 10)
 
 
-def in_flight_kwargs(keep_in_flight: bool, version: Optional[int]) -> tuple[dict, dict]:
+def in_flight_kwargs(keep_in_flight: bool, version: Optional[int], clear_cache: bool = False) -> tuple[dict, dict]:
     """The engines' ``start_weight_update`` and ``finish_weight_update`` keywords of one sync: empty for the
     default sync (an idle engine, the version counted up by one), so an engine that predates weights in
-    flight still takes it. Plain data only: the engine core may sit in a subprocess (msgpack)."""
+    flight still takes it. ``clear_cache`` (with ``keep_in_flight`` only): the pause drops the prefix cache and
+    the kept requests' KV. Plain data only: the engine core may sit in a subprocess (msgpack)."""
     if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
         raise ValueError(f"weight sync: version={version!r}; give the policy version as an int >= 0, or None to "
                          "count up by one")
-    start = {"keep_in_flight": True} if keep_in_flight else {}
+    if clear_cache and not keep_in_flight:
+        raise ValueError("weight sync: clear_cache applies to keep_in_flight=True only (a default sync resets the "
+                         "prefix cache after the load)")
+    start = ({"keep_in_flight": True, **({"clear_cache": True} if clear_cache else {})} if keep_in_flight else {})
     finish = {"version": int(version)} if version is not None else {}
     return start, finish
 

@@ -47,9 +47,8 @@ class LocalSync:
         recomputed on the new weights when the engines resume."""
         self._sync_id = next_sync_id()
         self._keep = keep_in_flight
-        kwargs = in_flight_kwargs(keep_in_flight, None)[0]
         call_engines(self.engines, "start_weight_update", timeout=self.timeout_s,
-                     kwargs={**kwargs, "clear_cache": True} if clear_cache else kwargs)
+                     kwargs=in_flight_kwargs(keep_in_flight, None, clear_cache)[0])
         self.sender.begin(self._sync_id)
 
     def send(self, named_tensors: Sequence[tuple[str, Any]], *, bucket_bytes: int = 512 * 2**20,
