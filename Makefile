@@ -127,13 +127,16 @@ lock-check: $(STAMP)
 demo: lock-check sandbox-packages
 	$(VENV)/bin/megatron-arpo demo --config configs/demo.yaml
 
-# Two runs: tests/unit (pure CPU, independent tests) on two pytest-xdist workers, then every other tier in one
-# process, one test at a time (they start engines, Ray and Slurm clusters, multi-process Megatron, and share
-# those through session fixtures). Both always run; the target fails if either does.
+# Two runs: tests/unit (pure CPU, independent tests) on two pytest-xdist workers, then every other tier (engines,
+# Ray and Slurm clusters, multi-process Megatron) on HEAVY_WORKERS workers, whole modules at a time: modules that
+# share a session fixture are one group (tests/conftest.py, SHARED_GROUPS); HEAVY_WORKERS=1 runs them one after
+# another. Both runs always run; the target fails if either does.
+HEAVY_WORKERS ?= 2
+
 test: lock-check slurm-packages sandbox-packages
 	@status=0; \
 	$(PY) -m pytest -n 2 tests/unit $(PYTEST_ARGS) || status=1; \
-	$(PY) -m pytest tests --ignore=tests/unit $(PYTEST_ARGS) || status=1; \
+	$(PY) -m pytest -n $(HEAVY_WORKERS) --dist loadgroup tests --ignore=tests/unit $(PYTEST_ARGS) || status=1; \
 	exit $$status
 
 bench: $(STAMP) sandbox-packages

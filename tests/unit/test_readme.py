@@ -44,7 +44,7 @@ def test_make_test_runs_the_unit_tier_and_every_other_tier():
     """The test target's two pytest runs together cover tests/: the unit tier, and everything but it."""
     recipe = re.search(r"^test:.*?\n((?:\t.*\n)+)", (ROOT / "Makefile").read_text(), re.M).group(1)
     runs = re.findall(r"-m pytest (.*?) \$\(PYTEST_ARGS\)", recipe)
-    assert sorted(runs) == ["-n 2 tests/unit", "tests --ignore=tests/unit"], runs
+    assert sorted(runs) == ["-n $(HEAVY_WORKERS) --dist loadgroup tests --ignore=tests/unit", "-n 2 tests/unit"], runs
 
 
 def test_readme_is_at_most_15_kb():

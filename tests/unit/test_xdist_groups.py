@@ -1,0 +1,38 @@
+"""The heavy tiers' pytest-xdist groups (tests/support/xdist_groups.py) keep shared session fixtures on one worker."""
+
+import re
+
+from support.xdist_groups import SHARED_GROUPS, TESTS, module_name, xdist_group_of
+
+# group -> a pattern that marks a module as a user of what the group shares
+USERS = {
+    "e2e-runs": re.compile(r"def test_\w+\([^)]*\b(sync_run|off_policy_run|in_flight_run)\b"),
+    "slurm": re.compile(r"^from slurm_cluster import [^\n]*\bslurm_cluster\b|\.slurm-local|LocalSlurmCluster\(", re.M),
+    "vllm-engine": re.compile(r"^from vllm_engine import [^\n]*\btiny_qwen3_engine\b", re.M),
+}
+HEAVY = [p for tier in ("dist", "e2e", "fakecuda", "integration") for p in sorted((TESTS / tier).glob("test_*.py"))]
+
+
+def test_every_listed_module_exists():
+    listed = [m for modules in SHARED_GROUPS.values() for m in modules]
+    assert len(listed) == len(set(listed)), "a module is in two groups"
+    missing = [m for m in listed if not (TESTS / m).is_file()]
+    assert not missing, f"tests/support/xdist_groups.py lists modules that do not exist: {missing}"
+    assert set(USERS) == set(SHARED_GROUPS)
+
+
+def test_every_user_of_a_shared_fixture_is_in_its_group():
+    assert len(HEAVY) > 40
+    for group, pattern in USERS.items():
+        users = {module_name(p) for p in HEAVY if pattern.search(p.read_text())}
+        assert users, f"no module matches the {group} pattern any more; update USERS"
+        outside = sorted(m for m in users if xdist_group_of(TESTS / m) != group)
+        assert not outside, (f"{outside} share the {group!r} group's session fixture but would run on another "
+                             f"worker: add them to SHARED_GROUPS[{group!r}] in tests/support/xdist_groups.py")
+
+
+def test_other_modules_are_groups_of_their_own():
+    grouped = {m for modules in SHARED_GROUPS.values() for m in modules}
+    alone = [p for p in HEAVY if module_name(p) not in grouped]
+    assert alone and all(xdist_group_of(p) == module_name(p) for p in alone)
+    assert xdist_group_of(TESTS / "e2e" / "test_train_replay.py") == "e2e-runs"
