@@ -130,7 +130,10 @@ class Demo:
                 f"sft.output_dir={self.sft_dir}"]
         if self.seed is not None:
             sets += [f"data.seed={self.seed}", f"actor.seed={1234 + self.seed}", f"rollout.seed={self.seed}"]
-        return sets + self.user_overrides  # the user's --set wins
+        # The user's --set wins, except trainer.run_dir: it chose this run directory (or its <dir>-seed<S>
+        # base) already, and a stage pointed back at it would train every seed into one directory.
+        user = [item for item in self.user_overrides if item.split("=", 1)[0].strip() != "trainer.run_dir"]
+        return sets + user
 
     def _env(self) -> dict[str, str]:
         env = dict(os.environ)

@@ -35,3 +35,19 @@ def test_a_seed_without_an_evaluation_shows_a_dash_and_is_left_out_of_the_stats(
 def test_bad_seed_lists_are_refused(seeds, capsys):
     assert cli.main(["demo", "--config", "configs/demo.yaml", "--seeds", seeds]) == 2
     assert "--seeds" in capsys.readouterr().err
+
+
+def test_each_seed_trains_in_its_own_directory_when_the_user_sets_trainer_run_dir(tmp_path):
+    from megatron_arpo.config import load_config
+    from megatron_arpo.demo import Demo
+
+    base = tmp_path / "cmp"
+    user = [f"trainer.run_dir={base}", "trainer.total_steps=3"]
+    dirs = set()
+    for seed in (0, 1):
+        demo = Demo("configs/demo.yaml", user, tmp_path / f"cmp-seed{seed}", seed, 0.5)
+        cfg = load_config("configs/demo.yaml", demo.path_overrides())
+        assert cfg.run_dir == tmp_path / f"cmp-seed{seed}" and cfg.trainer.total_steps == 3
+        assert cfg.model.hf_checkpoint == str(tmp_path / f"cmp-seed{seed}" / "sft" / "hf")
+        dirs.add(cfg.run_dir)
+    assert len(dirs) == 2
