@@ -26,7 +26,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_TESTS, os.environ.get("P
 import pytest  # noqa: E402
 
 from support.root_logging import restore_root_handlers  # noqa: E402,F401  (autouse: every test)
-from support.xdist_groups import xdist_group_of  # noqa: E402
+from support.xdist_groups import ModuleGroupScheduling  # noqa: E402
 
 # The Ray cluster fixtures (tests/integration/ray_cluster.py), defined once for every tier. A session fixture
 # imported into several test modules is a separate fixture per module (pytest keeps one definition per
@@ -56,10 +56,10 @@ def qwen3_tokenizer(qwen3_checkpoint):
     return AutoTokenizer.from_pretrained(str(qwen3_checkpoint))
 
 
-# The heavy tiers run on two pytest-xdist workers with ``--dist loadgroup`` (Makefile, target ``test``); the
-# groups are in tests/support/xdist_groups.py.
+# The heavy tiers run on two pytest-xdist workers with ``--dist loadgroup`` (Makefile, target ``test``): whole
+# modules, or the groups of modules in tests/support/xdist_groups.py, each on one worker.
 @pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(xdist_group_of(item.path)))
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") == "loadgroup":
+        return ModuleGroupScheduling(config, log)
+    return None

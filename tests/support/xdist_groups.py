@@ -1,13 +1,20 @@
-"""Which heavy test modules must share a pytest-xdist worker.
+"""Which heavy test modules must share a pytest-xdist worker, and the scheduler that keeps them together.
 
 ``make test`` runs the heavy tiers on two workers with ``--dist loadgroup``: a group runs whole on one
 worker, in collection order. Every module is a group of its own, so its module fixtures start once. Modules
 that share something a worker holds for the whole session are one group, listed here.
+
+The groups come from the module path, through ``ModuleGroupScheduling`` (tests/conftest.py returns it from
+``pytest_xdist_make_scheduler``), not from ``xdist_group`` marks: pytest-xdist 3.8 groups marked tests by
+appending ``@group`` to ``item._nodeid``, and pytest 9.2 keeps the node id elsewhere (``Node._id``), so
+the marks are silently ignored and every test is scheduled on its own.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+
+from xdist.scheduler import LoadScopeScheduling
 
 TESTS = Path(__file__).resolve().parents[1]
 
@@ -33,3 +40,18 @@ def xdist_group_of(path: str | Path) -> str:
     """The ``xdist_group`` of a test module: its shared group, or the module itself."""
     module = module_name(path)
     return _GROUP_OF.get(module, module)
+
+
+def scope_of(nodeid: str) -> str:
+    """The scheduling scope of a test id (``tests/e2e/test_x.py::test_y[param]``): its module's group."""
+    module = nodeid.split("::", 1)[0]
+    module = module[len("tests/"):] if module.startswith("tests/") else module
+    return _GROUP_OF.get(module, module)
+
+
+class ModuleGroupScheduling(LoadScopeScheduling):
+    """pytest-xdist's scope scheduling (whole scopes to one worker, in collection order) with
+    ``scope_of`` as the scope."""
+
+    def _split_scope(self, nodeid: str) -> str:
+        return scope_of(nodeid)

@@ -2,7 +2,7 @@
 
 import re
 
-from support.xdist_groups import SHARED_GROUPS, TESTS, module_name, xdist_group_of
+from support.xdist_groups import SHARED_GROUPS, TESTS, module_name, scope_of, xdist_group_of
 
 # group -> a pattern that marks a module as a user of what the group shares
 USERS = {
@@ -36,3 +36,11 @@ def test_other_modules_are_groups_of_their_own():
     alone = [p for p in HEAVY if module_name(p) not in grouped]
     assert alone and all(xdist_group_of(p) == module_name(p) for p in alone)
     assert xdist_group_of(TESTS / "e2e" / "test_train_replay.py") == "e2e-runs"
+
+
+def test_the_scheduler_scopes_test_ids_by_their_module_group():
+    assert scope_of("tests/e2e/test_train_replay.py::test_replay[a::b]") == "e2e-runs"
+    assert scope_of("tests/integration/test_slurm_train.py::test_x") == "slurm"
+    assert scope_of("tests/dist/test_moe_train.py::test_y[tp2-ep2]") == "dist/test_moe_train.py"
+    for path in HEAVY:
+        assert scope_of(f"tests/{module_name(path)}::test_z") == xdist_group_of(path)
