@@ -129,7 +129,7 @@ demo: lock-check sandbox-packages
 
 # Two runs: tests/unit (pure CPU, independent tests) on two pytest-xdist workers, then every other tier (engines,
 # Ray and Slurm clusters, multi-process Megatron) on HEAVY_WORKERS workers, whole modules at a time: modules that
-# share a session fixture are one group (tests/conftest.py, SHARED_GROUPS); HEAVY_WORKERS=1 runs them one after
+# share a session fixture are one group (tests/support/xdist_groups.py); HEAVY_WORKERS=1 runs them one after
 # another. Both runs always run; the target fails if either does.
 HEAVY_WORKERS ?= 2
 
