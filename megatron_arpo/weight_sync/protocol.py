@@ -492,7 +492,9 @@ def in_flight_kwargs(keep_in_flight: bool, version: Optional[int], clear_cache: 
     if clear_cache and not keep_in_flight:
         raise ValueError("weight sync: clear_cache applies to keep_in_flight=True only (a default sync resets the "
                          "prefix cache after the load)")
-    start = ({"keep_in_flight": True, **({"clear_cache": True} if clear_cache else {})} if keep_in_flight else {})
+    start = {"keep_in_flight": True} if keep_in_flight else {}
+    if clear_cache:
+        start["clear_cache"] = True
     finish = {"version": int(version)} if version is not None else {}
     return start, finish
 

@@ -36,17 +36,15 @@ def module_name(path: str | Path) -> str:
     return Path(path).resolve().relative_to(TESTS).as_posix()
 
 
-def xdist_group_of(path: str | Path) -> str:
-    """The ``xdist_group`` of a test module: its shared group, or the module itself."""
-    module = module_name(path)
-    return _GROUP_OF.get(module, module)
-
-
 def scope_of(nodeid: str) -> str:
     """The scheduling scope of a test id (``tests/e2e/test_x.py::test_y[param]``): its module's group."""
-    module = nodeid.split("::", 1)[0]
-    module = module[len("tests/"):] if module.startswith("tests/") else module
+    module = nodeid.split("::", 1)[0].removeprefix("tests/")
     return _GROUP_OF.get(module, module)
+
+
+def xdist_group_of(path: str | Path) -> str:
+    """The group of a test module (a path under tests/): its shared group, or the module itself."""
+    return scope_of(module_name(path))
 
 
 class ModuleGroupScheduling(LoadScopeScheduling):
