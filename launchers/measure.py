@@ -25,6 +25,7 @@ from typing import Any, Mapping
 from launchers.planner import GiB, Plan, PlanInput, actor_memory, colocated_peak, ipc_buffer_gib
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "temporaries")
+PHASE_NAMES = {"forward_backward": "forward/backward", "optimizer_step": "optimizer step"}
 PROBE_TIMEOUT_S = 1800
 
 
@@ -89,7 +90,10 @@ def measure(raw: Mapping[str, Any] | None, p: PlanInput, plan: Plan, stages: str
     fits = plan.fits_rollout and (colocated <= plan.budget_gib if p.placement == "colocated" else fits_actor)
     formula, _ = actor_memory(p, plan.dp)
     for r in results:
-        r["formula_gib"] = {k: formula[r["stage"]][k] / GiB for k in (*CATEGORIES, "total")}
+        f = formula[r["stage"]]
+        r["formula_gib"] = {k: f[k] / GiB for k in (*CATEGORIES, "total")}
+        r["formula_phase"] = f["phase"]
+        r["formula_phases_gib"] = {name: {k: v / GiB for k, v in lines.items()} for name, lines in f["phases"].items()}
     return {"stages": results, "worst_stage": worst["stage"], "actor_peak_gib": actor_gib,
             "colocated_peak_gib": colocated, "ipc_buffer_gib": ipc_buffer_gib(p), "fits_actor": fits_actor,
             "fits": fits}
@@ -106,7 +110,15 @@ def format_measured(measured: dict) -> str:
         lines.append(f"  pp{r['stage']} (rank {r['rank']}, {r['num_params']:,} params, {r['layer_spec']} spec, "
                      f"{r['seq_len']}-token sequences, {r['in_flight']} micro-batch(es) in flight): "
                      + ", ".join(parts) + f" = {total:.2f}{ratio}")
-        lines.append(f"    built in {r['build_s']} s, measured in {r['run_s']} s")
+        other = [name for name, got in r["phases_bytes"].items() if got and name != r["phase"]]
+        for name in other:  # the other phase, as the dense comparison reads it: activations + temporaries
+            got, f = r["phases_bytes"][name], r["formula_phases_gib"][name]
+            acts = (got["activations"] + got["temporaries"]) / GiB
+            lines.append(f"    {PHASE_NAMES[name]}: activations + temporaries {acts:.2f} "
+                         f"[{f['activations'] + f['temporaries']:.2f}], total {sum(got.values()) / GiB:.2f} "
+                         f"[{f['total']:.2f}]")
+        lines.append(f"    peak at the {PHASE_NAMES[r['phase']]} (formula: {PHASE_NAMES[r['formula_phase']]}); "
+                     f"built in {r['build_s']} s, measured in {r['run_s']} s")
     lines.append(f"measured actor peak {measured['actor_peak_gib']:.1f} GiB (pp{measured['worst_stage']}) -> "
                  f"{ok[measured['fits_actor']]}; colocated {measured['colocated_peak_gib']:.1f} GiB -> "
                  f"{ok[measured['fits']]}")

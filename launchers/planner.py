@@ -21,24 +21,8 @@ docs/design/fake_cuda.md §3: bf16 params + fp32 grads = 6 + 12/DP):
 - fp32 main params + Adam m + v = 12 B, divided by DP with the distributed optimizer.
 ``megatron-arpo plan --measure`` (``launchers.measure``) measures all of this exactly.
 
-Activations are calibrated against that measurement (``megatron_arpo.fake_cuda.memory_probe``: one stage
-at real shapes on fake CUDA under torch's MemTracker; the calibration runs are in benchmarks/RESULTS.md).
-For T tokens of a packed micro-batch, bf16 (2 B), TP t, sequence-parallel factor s (t with SP, else 1),
-q = heads*head_dim, kv = kv_heads*head_dim, f = intermediate_size, one layer keeps for its backward:
-- TE spec (``actor.use_te`` auto/true: fused norms, fused SwiGLU, flash attention, THD packing):
-  ``2 B * T * [4h/s + (2q + 2kv + 3f)/t (+ (q + kv)/t with q/k norms)] + 8 B * T * head_dim`` (RoPE
-  tables of the THD path); the same with ``recompute: selective`` (flash attention keeps nothing the
-  core-attention recompute would drop); with ``recompute: full`` only the layer input ``2 B * T * h/s``.
-- local spec (``use_te: false``): torch's RMSNorm keeps five bf16-equivalents of its input and the
-  unfused SwiGLU three, so ``+ 2 B * T * [4 * (2h/s (+ (q + kv)/t)) + 2f/t]``, and without recompute the
-  attention scores: ``6 B * rows * s_row^2 * heads/t`` (bf16 scores + fp32 softmax, rows as wide as the
-  longest sequence).
-On top: the first stage keeps the embedding output (``2 B * T * h``) and every stage the RoPE table
-(``12 B * T * head_dim``); 1F1B keeps ``pp - stage`` micro-batches in flight; backward needs a
-transient of ``TRANSIENT[spec, recompute]`` one-layer (no-recompute) activations; the last stage's loss
-holds ``LOGITS_WORKSET`` (``LOGITS_WORKSET_ENTROPY`` when the loss needs the entropy) fp32 copies of
-its ``[T, vocab/t]`` logits. Without TE, torch's foreach Adam needs about one fp32 copy of the
-optimizer shard during the step.
+Activations, and the two phases a stage's lines come from (forward/backward, optimizer step):
+``launchers.activations``.
 
 Rollout engines (vLLM) per GPU: bf16 weights / engine TP (norms replicated) plus the KV cache for
 ``concurrency`` sequences of ``max_model_len`` tokens: ``2 (K,V) * layers * ceil(kv_heads/tp) * head_dim *
@@ -78,6 +62,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from launchers.activations import BF16, FP32, LAYER_SPECS, stage_activation_bytes, step_bytes
 from megatron_arpo.model_config import ModelConfig, load_model_config
 from megatron_arpo.parallel_layout import (derive_data_parallel, engine_tp_errors, expert_world_errors,
                                            model_layout_errors)
@@ -94,8 +79,6 @@ GPU_MEMORY_GIB: Mapping[str, float] = {
     "h200-141g": 143771 / 1024,
     "a100-80g": 81920 / 1024,
 }
-
-BF16, FP32 = 2, 4
 
 
 @dataclass(frozen=True)
@@ -248,65 +231,6 @@ def largest_sync_bucket(cfg: ModelConfig, pp: int, bucket_bytes: int, dtype_byte
     return largest
 
 
-# Calibrated with `megatron-arpo plan --measure` (benchmarks/RESULTS.md, "planner calibration").
-TRANSIENT = {("te", "none"): 0.85, ("te", "selective"): 0.85, ("te", "full"): 2.1,
-             ("local", "none"): 0.62, ("local", "selective"): 1.39, ("local", "full"): 1.62}
-LOGITS_WORKSET, LOGITS_WORKSET_ENTROPY = 4.2, 6.2
-LOCAL_SCORE_BYTES = 6
-LAYER_SPECS = ("te", "local")
-# MoE: the permuted token copies the all-to-all dispatcher keeps per layer (dispatched in, combined out),
-# each top-k x T x h in bf16. An estimate: not yet calibrated against a fake-CUDA measurement.
-ALLTOALL_COPIES = 2
-
-
-def layer_activation_bytes(cfg: ModelConfig, tokens: int, tp: int, sequence_parallel: bool, *,
-                           recompute: str = "none", layer_spec: str = "te", seq_len: int | None = None,
-                           etp: int | None = None) -> int:
-    """Bytes one layer keeps from its forward to its backward for ``tokens`` tokens (see the module doc)."""
-    h, f, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
-    s = tp if sequence_parallel else 1
-    if recompute == "full":
-        return int(BF16 * tokens * h / s)
-    qk = (q + kv) / tp if cfg.qk_layernorm else 0.0
-    mlp = 3 * f / tp
-    if cfg.is_moe:  # each token runs through its top-k experts, split by the expert TP
-        mlp = 3 * cfg.num_experts_per_tok * cfg.moe_intermediate_size / (etp or tp)
-        mlp += ALLTOALL_COPIES * cfg.num_experts_per_tok * h
-        f = cfg.num_experts_per_tok * cfg.moe_intermediate_size * tp / (etp or tp)  # the local spec's SwiGLU term
-    elems = 4 * h / s + (2 * q + 2 * kv) / tp + mlp + qk
-    extra = 0.0
-    if layer_spec == "te":
-        extra = 8 * tokens * d  # the THD path's per-token RoPE tables of q and k (fp32)
-    else:
-        elems += 4 * (2 * h / s + qk) + 2 * f / tp
-        if recompute == "none":  # attention scores, per row of the packed micro-batch
-            row = min(seq_len or tokens, tokens)
-            extra = LOCAL_SCORE_BYTES * (tokens // row) * row * row * cfg.num_attention_heads / tp
-    return int(BF16 * tokens * elems + extra)
-
-
-def stage_activation_bytes(p: "PlanInput", pp_rank: int) -> dict[str, float]:
-    """Activation bytes of one stage at its peak: in-flight micro-batches, backward transient, logits."""
-    cfg, T = p.model, p.micro_batch_tokens
-    layers = cfg.num_hidden_layers // p.pp
-    kw = dict(layer_spec=p.layer_spec, seq_len=p.seq_len, etp=p.etp)
-    kept_layer = layer_activation_bytes(cfg, T, p.tp, p.sequence_parallel, recompute=p.recompute, **kw)
-    one_layer = layer_activation_bytes(cfg, T, p.tp, p.sequence_parallel, recompute="none", **kw)
-    fixed = 12 * T * cfg.head_dim + (BF16 * T * cfg.hidden_size if pp_rank == 0 else 0)
-    kept = layers * kept_layer + fixed
-    in_flight = p.pp - pp_rank  # 1F1B: stage k holds pp - k micro-batches at its peak
-    activations = in_flight * kept
-    transient = TRANSIENT[p.layer_spec, p.recompute] * one_layer
-    if pp_rank == p.pp - 1:  # the loss, still in the forward: fp32 copies of the [T, vocab/tp] logits
-        workset = LOGITS_WORKSET_ENTROPY if p.entropy else LOGITS_WORKSET
-        logits = workset * FP32 * T * p.model.padded_vocab_size(p.tp) / p.tp
-        activations += logits
-        transient = max(0.0, transient - logits)
-    return {"kept_per_micro_batch": kept, "in_flight": in_flight, "activations": activations,
-            "temporaries": transient}
-
-
 @dataclass
 class PlanInput:
     model: ModelConfig
@@ -380,6 +304,7 @@ class Plan:
     num_engines: int = 0
     buffer_gib: dict = field(default_factory=dict)  # off_policy: the rollout buffer (see buffer_memory); {} in sync
     fits_host: bool | None = None  # the buffer and the batch in a node's host memory; None: not known
+    actor_phase: str = "forward_backward"  # where the worst stage peaks: forward_backward | optimizer_step
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -395,17 +320,19 @@ def actor_memory(p: PlanInput, dp: int) -> tuple[dict, dict]:
         counts = rank_param_counts(p.model, p.tp, p.pp, pp_rank, ep=p.ep, etp=p.etp)
         n = counts.total
         # the distributed optimizer shards expert parameters over the expert-data-parallel group
-        sharded = (n - counts.experts) / (dp if p.distributed_optimizer else 1) + counts.experts / max(1, expert_dp)
+        dense = (n - counts.experts) / (dp if p.distributed_optimizer else 1)
+        experts = counts.experts / max(1, expert_dp)
+        held = {"params": BF16 * n, "grads": FP32 * n, "optimizer": 3 * FP32 * (dense + experts)}
         acts = stage_activation_bytes(p, pp_rank)
-        row = {"params": BF16 * n, "grads": FP32 * n,
-               "optimizer": 3 * FP32 * sharded,
-               "activations": acts["activations"], "temporaries": acts["temporaries"]}
-        if p.layer_spec == "local":  # torch foreach Adam: about one fp32 copy of the shard during the step
-            step = row["params"] + row["grads"] + row["optimizer"] + FP32 * sharded
-            row["temporaries"] = max(row["temporaries"], step - row["params"] - row["grads"] - row["optimizer"]
-                                     - row["activations"])
-        row["total"] = sum(row.values())
-        stages[pp_rank] = {"num_params": n, **row}
+        step = step_bytes(p, pp_rank, dense, experts)
+        phases = {"forward_backward": {**held, "activations": acts["activations"],
+                                       "temporaries": acts["temporaries"]},
+                  "optimizer_step": {**held, "optimizer": held["optimizer"] + step["optimizer"],
+                                     "activations": step["activations"], "temporaries": step["temporaries"]}}
+        for lines in phases.values():
+            lines["total"] = sum(lines.values())
+        phase = max(phases, key=lambda k: phases[k]["total"])  # the forward/backward on a tie
+        stages[pp_rank] = {"num_params": n, **phases[phase], "phase": phase, "phases": phases}
     worst = max(stages, key=lambda k: stages[k]["total"])
     return stages, {"stage": worst, **stages[worst]}
 
@@ -561,7 +488,7 @@ def make_plan(p: PlanInput, suggest: bool = True) -> Plan:
                 weight_sync_gib_per_engine=moved, weight_sync_gib_total=moved * num_engines,
                 sync_gib=sync, sync_peak_gib=sync["total"], fits_sync=fits_sync,
                 active_params=active_param_count(p.model), actor_gpus=actor_gpus, engine_gpus=engine_gpus,
-                num_engines=num_engines, buffer_gib=buffer, fits_host=fits_host)
+                num_engines=num_engines, buffer_gib=buffer, fits_host=fits_host, actor_phase=worst["phase"])
     if suggest:
         plan.suggestions = suggest_layouts(p)
     return plan
@@ -736,6 +663,7 @@ def format_plan(plan: Plan) -> str:
     i = plan.inputs
     ok = {True: "fits", False: "DOES NOT FIT"}
     a, r = plan.actor_gib, plan.rollout_gib
+    step = " (at the optimizer step)" if plan.actor_phase == "optimizer_step" else ""
     if i["placement"] == "colocated":
         mode = "phases swap (vLLM sleep + actor offload)" if i["sleep_offload"] else \
             "actor peak + vLLM reservation on every GPU"
@@ -754,7 +682,7 @@ def format_plan(plan: Plan) -> str:
         f"recompute {i['recompute']}, SP {i['sequence_parallel']}, {i['layer_spec']} layer spec, "
         f"{i['micro_batch_tokens']} tokens/micro-batch",
         "  params per GPU by stage: " + ", ".join(f"pp{k}={v:,}" for k, v in plan.params_per_rank.items()),
-        f"  worst stage pp{plan.worst_stage}: params {a['params']:.1f} + grads {a['grads']:.1f} + optimizer "
+        f"  worst stage pp{plan.worst_stage}{step}: params {a['params']:.1f} + grads {a['grads']:.1f} + optimizer "
         f"{a['optimizer']:.1f} + activations {a['activations']:.1f} + temporaries {a['temporaries']:.1f} = "
         f"{plan.actor_peak_gib:.1f} GiB -> {ok[plan.fits_actor]}",
         f"rollout: engine TP={i['engine_tp']}, {i['concurrency']} seqs x {i['max_model_len']} tokens: weights "

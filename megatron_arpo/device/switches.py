@@ -41,6 +41,18 @@ SWITCHES: tuple[Switch, ...] = (
                  "the CPU side; on GPU the function finds no module with a packed copy and does nothing",
     ),
     Switch(
+        id="vllm-cpu-packed-experts",
+        where=("megatron_arpo/weight_sync/receivers.py:rearm_packed_experts",),
+        cpu="before each weight sync the MoE layers drop their expert kernel, so the reload packs the new experts "
+            "into the CPU kernel's grouped-GEMM layout as a first load does",
+        gpu="nothing dropped: vLLM's GPU experts read the parameters the sync wrote in place",
+        reason="vLLM 0.32's unquantized MoE method runs its experts' weight packing on the first load only; "
+               "vllm-cpu's experts pack there, so a weight update left the CPU kernel computing with stale experts",
+        gpu_test="tests/integration/test_moe_engine.py::test_a_sync_of_every_expert_reaches_the_cpu_moe_kernel "
+                 "runs the CPU side; on GPU the function finds experts whose packing is the base no-op and drops "
+                 "nothing",
+    ),
+    Switch(
         id="vllm-executor",
         where=("megatron_arpo/rollout/engine.py:executor_backend",),
         cpu="an engine with tensor_parallel_size > 1 runs its workers under vLLM's mp executor",
@@ -58,18 +70,6 @@ SWITCHES: tuple[Switch, ...] = (
                "them ('function' object is not subscriptable in mean_kernel[grid])",
         gpu_test="tests/unit/test_determinism.py::test_gpu_engines_get_the_batch_invariant_mode_only_with_the_flag "
                  "builds the GPU environment; the kernels themselves need a GPU",
-    ),
-    Switch(
-        id="vllm-routed-experts",
-        where=("megatron_arpo/rollout/engine.py:VllmEngine.__init__",),  # via routing_capture.capture_problem
-        cpu="an engine asked for routed experts (actor.moe_routing_replay) refuses at start-up, naming the fix",
-        gpu="the engine runs vLLM's V2 model runner with enable_return_routed_experts and returns each token's "
-            "experts",
-        reason="vLLM 0.32 returns routed experts only from its V2 model runner, which needs Triton; vllm-cpu's "
-               "Triton has no CPU backend (the switch follows vLLM's HAS_TRITON, not the device)",
-        gpu_test="tests/integration/test_routing_capture.py runs the CPU refusal; the trajectories and the actor "
-                 "replay recorded rows in tests/unit/test_routing_replay.py and tests/dist/test_moe_routing_replay.py; "
-                 "a returning engine needs GPUs",
     ),
     Switch(
         id="vllm-cuda-kwargs",

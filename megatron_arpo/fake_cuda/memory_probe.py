@@ -199,10 +199,30 @@ def _tracker():
     return Tracker()
 
 
+def _shared_buffer_activations(tracker) -> int:
+    """Bytes of Megatron's global memory buffers that ``tracker`` counts as activations. The first forward
+    allocates them (the sequence-parallel all-gather's input, the local spec's attention scores) and every
+    later micro-batch reuses them: they are held once, not once per micro-batch in flight."""
+    # deferred: pulls in megatron-core and torch (heavy; this module imports without them)
+    from megatron.core import parallel_state
+    from torch.distributed._tools.mem_tracker import _MemRefType
+
+    buffers = getattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None)
+    seen, total = set(), 0
+    for t in (buffers.buffer.values() if buffers is not None else ()):
+        storage = t.untyped_storage()
+        winfo, _ = tracker._WINFO.get(storage, (None, None))
+        if winfo is not None and winfo.reftype == _MemRefType.ACT and storage._cdata not in seen:
+            seen.add(storage._cdata)
+            total += winfo.mem_consumed
+    return total
+
+
 def tracked_update(worker, batch: dict, device) -> dict[str, Any]:
     """One ``worker.update(batch)`` under the tracker, on fake or real CUDA: MemTracker snapshots (bytes by
     category) at the peak before the optimizer step (``train_peak``) and at the overall peak (``peak``), the
-    activations one micro-batch keeps at the end of its forward (``kept``), and the storage bytes of the grad
+    activations one micro-batch keeps at the end of its forward (``kept``; Megatron's global memory buffers,
+    held once whatever the number of micro-batches in flight, left out), and the storage bytes of the grad
     buffers and the fp32 main parameters (created before the tracker, so registered with it)."""
     # deferred: pulls in torch (heavy; this module imports without it)
     from torch.distributed._tools.mem_tracker import _ModState
@@ -219,17 +239,23 @@ def tracked_update(worker, batch: dict, device) -> dict[str, Any]:
     def snapshot_before_step(optimizer, args, kwargs):
         before_step.setdefault("peak", tracker.get_tracker_snapshot("peak"))
 
+    def shared_after_forward(module, args, output):
+        before_step.setdefault("shared", _shared_buffer_activations(tracker))
+
     hook = register_optimizer_step_pre_hook(snapshot_before_step)
+    forward_hook = worker.chunk.register_forward_hook(shared_after_forward)
     try:
         with tracker:
             worker.update(batch)
     finally:
         hook.remove()
+        forward_hook.remove()
     # What one micro-batch keeps from its forward until its backward: the activations at the end of the
     # stage's forward. 1F1B holds in_flight of them while the first backward of this stage runs.
     after_fw = tracker.memory_tracking[worker.chunk].snapshots[_ModState.POST_FW][0][device]
     return {"train_peak": before_step["peak"][device], "peak": tracker.get_tracker_snapshot("peak")[device],
-            "kept": after_fw.get("Activation", 0), "grads": _storage_bytes(grad_buffers),
+            "kept": after_fw.get("Activation", 0) - before_step.get("shared", 0),
+            "grads": _storage_bytes(grad_buffers),
             "main": _storage_bytes(main_params)}
 
 
@@ -309,14 +335,15 @@ def measure_stage(cfg, stage: int) -> dict[str, Any]:
     # backward, with every micro-batch's activations released.
     phases = {"forward_backward": breakdown(train_peak, grads, main, extra_in_flight),
               "optimizer_step": breakdown(peak, grads, main) if peak["Total"] > train_peak["Total"] else None}
-    worst = max((p for p in phases.values() if p), key=lambda p: sum(p.values()))
+    phase = max((k for k, p in phases.items() if p), key=lambda k: sum(phases[k].values()))
+    worst = phases[phase]
     total = sum(worst.values())
     return {"stage": stage, "rank": rank, "world": world, "tp": tp, "pp": pp, "dp": dp,
             "num_params": num_params, "seq_len": seq_len, "micro_batch_tokens": actor.micro_batch_tokens,
             "micro_batches": micro_batches, "in_flight": in_flight, "kept_per_micro_batch": kept_per_micro_batch, "sequence_parallel": actor.sequence_parallel,
             "recompute": actor.recompute, "layer_spec": spec,
-            "peak_bytes": total, "breakdown_bytes": worst, "phases_bytes": phases, "build_s": round(built_s, 1),
-            "run_s": round(time.perf_counter() - start - built_s, 1)}
+            "peak_bytes": total, "phase": phase, "breakdown_bytes": worst, "phases_bytes": phases,
+            "build_s": round(built_s, 1), "run_s": round(time.perf_counter() - start - built_s, 1)}
 
 
 def main(argv: list[str]) -> int:

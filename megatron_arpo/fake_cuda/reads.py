@@ -116,6 +116,9 @@ def _function_truth(func, args):
 _VALUE = "_fake_cuda_value"  # the host value of a fake whose value is known
 _TRUTH = "_fake_cuda_truth"  # the answer a healthy run gives for a bool fake of unknown value
 _MAX_KNOWN_NUMEL = 1 << 20  # values are followed for bookkeeping tensors only (a MoE routing map: tokens x experts)
+# A constant fill larger than this is kept as one element broadcast to the shape (no host memory): an Adam
+# moment of a MoE expert (zeros_like of a shard under the 1M-element limit) is one, thousands of them per rank.
+_BROADCAST_FILL_NUMEL = 1 << 16
 
 
 def _known_value(t):
@@ -140,6 +143,20 @@ def _aten_tables():
 # Ops whose value is set by their arguments, not by input data: factories, and "like" ops of any tensor.
 _FACTORIES = {"zeros", "ones", "full", "arange", "scalar_tensor", "eye", "linspace"}
 _SHAPE_ONLY = {"zeros_like", "ones_like", "full_like", "new_zeros", "new_ones", "new_full"}
+_CONSTANT_FILLS = _SHAPE_ONLY | {"zeros", "ones", "full"}
+
+
+def _compact_fill(host: torch.Tensor) -> torch.Tensor:
+    """A constant fill as one element broadcast to its shape when it is large (see ``_BROADCAST_FILL_NUMEL``)."""
+    if host.numel() <= _BROADCAST_FILL_NUMEL:
+        return host
+    with unset_fake_temporarily():  # a host tensor, whatever mode the caller runs in
+        return host.reshape(-1)[:1].clone().expand(host.shape)
+
+
+def _dense(value: torch.Tensor) -> torch.Tensor:
+    """A broadcast value (``_compact_fill``) as its own storage, before it is written into."""
+    return value.clone(memory_format=torch.contiguous_format) if value.numel() > 1 and 0 in value.stride() else value
 
 
 def _balanced_topk_indices(shape, k: int, dim: int) -> torch.Tensor:
@@ -161,7 +178,8 @@ def _host_or_zeros(x):
     if known is not None:
         return known
     with unset_fake_temporarily():
-        return torch.zeros(x.shape, dtype=x.dtype)
+        zeros = torch.zeros((), dtype=x.dtype).expand(x.shape)  # read only: a large one stays broadcast
+        return zeros if x.numel() > _BROADCAST_FILL_NUMEL else zeros.contiguous()
 
 
 def _as_fake_on(host: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -256,14 +274,15 @@ class DataReadMode(torch.utils._python_dispatch.TorchDispatchMode):
         tensors = _tensors_in(args, kwargs)
         if not tensors or sum(t.numel() for t in tensors) > _MAX_KNOWN_NUMEL:
             return {}
+        values = [_known_value(t) for t in tensors]
+        if any(v is None for v in values):
+            return {}
         hosts = {}
         with unset_fake_temporarily():
-            for t in tensors:
-                value = _known_value(t)
-                if value is None:
-                    return {}
+            for t, value in zip(tensors, values):
                 # a fake's followed value is written in place (its views share it); anything else is copied
-                hosts[id(t)] = value if _is_fake(t) and getattr(t, "constant", None) is None else value.clone()
+                hosts[id(t)] = _dense(value) if _is_fake(t) and getattr(t, "constant", None) is None \
+                    else value.clone()
             swap = lambda x: hosts[id(x)] if isinstance(x, torch.Tensor) else x  # noqa: E731
             try:
                 func(*tree_map(swap, args), **{k: tree_map(swap, v) for k, v in kwargs.items() if k != "device"})
@@ -321,7 +340,7 @@ class DataReadMode(torch.utils._python_dispatch.TorchDispatchMode):
             for fake, host in zip(out if isinstance(out, (tuple, list)) else [out],
                                   value if isinstance(value, (tuple, list)) else [value]):
                 if _is_fake(fake) and isinstance(host, torch.Tensor) and host.shape == fake.shape:
-                    setattr(fake, _VALUE, host)
+                    setattr(fake, _VALUE, _compact_fill(host) if name in _CONSTANT_FILLS else host)
             return
         if not _is_fake(out) or out.dtype != torch.bool:
             return

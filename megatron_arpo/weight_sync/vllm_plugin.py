@@ -19,8 +19,6 @@ import re
 from megatron_arpo.weight_sync.protocol import BACKENDS
 
 RECEIVER_MODULE = "megatron_arpo.weight_sync.receivers"
-# vLLM's ``worker_extension_cls``: the worker methods `VllmEngine` calls by name (collective_rpc).
-WORKER_EXTENSION = f"{RECEIVER_MODULE}.SyncWorkerExtension"
 ENGINE_CLASSES = {"gloo": "GlooWeightTransferEngine", "nccl": "StagedNCCLWeightTransferEngine",
                   "ipc": "VerifiedIPCWeightTransferEngine"}
 

@@ -1,7 +1,7 @@
 """Routing replay (R3) in the actor: the tiny MoE's forwards use the recorded experts, at EP 1 and EP 2 (gloo).
 
-The routing is recorded from the actor's own forward (``compute_log_probs(record_routing=True)``: vLLM's
-CPU engine cannot return routed experts, docs/moe.md), then every router's weight is perturbed as an RL
+The routing is recorded from the actor's own forward (``compute_log_probs(record_routing=True)``; the engine's
+capture is tests/integration/test_moe_engine.py), then every router's weight is perturbed as an RL
 step would move it. Without replay the routers then pick other experts for some tokens; with replay
 (``actor.moe_routing_replay``) the log-prob pass and the PPO update use exactly the recorded experts.
 """

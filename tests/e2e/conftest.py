@@ -12,7 +12,6 @@ Both run on the session's 2-raylet Ray cluster (``_ray_two_node_cluster``, tests
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +19,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
-from train_helpers import REPO, log_tail, read_rows, train_command, train_env, write_task  # noqa: E402
+from train_helpers import read_rows, run_train, train_command, write_task  # noqa: E402
 
 SHARED_SETS = ("logging.wandb.mode=disabled", "logging.save_rollout_records=true", "trainer.placement=separate",
                "trainer.actor_devices=2", "trainer.rollout_devices=1")
@@ -41,10 +40,7 @@ def _train(cluster, data: Path, run_dir: Path, *sets: str) -> TrainRun:
 
     cmd = train_command(str(tiny_checkpoint("tiny-qwen3")), data, run_dir, *SHARED_SETS, *sets, resume="none")
     log = run_dir.parent / f"{run_dir.name}.log"
-    with open(log, "w") as out:
-        proc = subprocess.run(cmd, cwd=REPO, env=train_env(data, cluster.address), stdout=out,
-                              stderr=subprocess.STDOUT, timeout=900)
-    assert proc.returncode == 0, log_tail(log)
+    run_train(cmd, data, log, cluster.address, timeout=900)
     return TrainRun(run_dir=run_dir, log=log, data=data, rows=read_rows(run_dir))
 
 

@@ -10,12 +10,10 @@ kept lean (TP=1, colocated, no checkpoints, short responses) to add little to th
 
 from __future__ import annotations
 
-import subprocess
-
 import pytest
 import torch
 
-from train_helpers import REPO, log_tail, read_rows, train_command, train_env, write_task
+from train_helpers import read_rows, run_train, train_command, write_task
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -33,10 +31,7 @@ def test_two_rl_steps_on_tiny_llama(_ray_two_node_cluster, tmp_path):  # session
     cmd = train_command(str(hf_dir), data, run_dir, "model.config=tiny-llama", "actor.tensor_parallel=1",
                         "trainer.placement=colocated", "trainer.save_every=0", "rollout.response_length=48",
                         "logging.wandb.mode=disabled")
-    with open(log, "w") as out:
-        proc = subprocess.run(cmd, cwd=REPO, env=train_env(data, _ray_two_node_cluster.address), stdout=out,
-                              stderr=subprocess.STDOUT, timeout=720)
-    assert proc.returncode == 0, log_tail(log)
+    run_train(cmd, data, log, _ray_two_node_cluster.address)
 
     rows = read_rows(run_dir)
     assert [r["step"] for r in rows] == [1, 2]

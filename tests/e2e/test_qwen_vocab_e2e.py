@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
-from train_helpers import CONFIG, REPO, log_tail, read_rows, train_command, train_env, write_task  # noqa: E402
+from train_helpers import CONFIG, REPO, log_tail, read_rows, run_train, train_command, train_env, write_task  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -94,10 +94,7 @@ def test_sft_train_eval_on_the_real_qwen_tokenizer(flavour, request, _ray_two_no
     run_dir = tmp_path / "run"
     log = tmp_path / "train.log"
     cmd = train_command(str(start), data, run_dir, *common, "trainer.placement=colocated")
-    with open(log, "w") as out:
-        proc = subprocess.run(cmd, cwd=REPO, env=train_env(data, _ray_two_node_cluster.address), stdout=out,
-                              stderr=subprocess.STDOUT, timeout=900)
-    assert proc.returncode == 0, log_tail(log)
+    run_train(cmd, data, log, _ray_two_node_cluster.address, timeout=900)
     rows = read_rows(run_dir)
     assert [r["step"] for r in rows] == [1, 2]
     for row in rows:

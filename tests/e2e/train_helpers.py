@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -70,6 +71,14 @@ def train_env(data: Path, ray_address: str | None = None) -> dict[str, str]:
                 "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "WANDB_MODE": "offline",
                 "WANDB_SILENT": "true"})
     return env
+
+
+def run_train(cmd: list[str], data: Path, log: Path, ray_address: str | None = None, timeout: float = 720) -> None:
+    """Run a ``megatron-arpo train`` command line to its end, its output in ``log``; fail with the log's tail."""
+    with open(log, "w") as out:
+        proc = subprocess.run(cmd, cwd=REPO, env=train_env(data, ray_address), stdout=out, stderr=subprocess.STDOUT,
+                              timeout=timeout)
+    assert proc.returncode == 0, log_tail(log)
 
 
 def comparable_values(row: dict) -> dict:

