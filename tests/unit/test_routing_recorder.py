@@ -84,9 +84,11 @@ def test_rows_by_position_with_a_prefix_served_from_the_cache_in_the_same_step()
 
 def test_the_next_step_overwriting_the_runner_buffers_does_not_reach_the_recorded_rows():
     runner = StandInRunner()
-    runner.step([("x-00000000", [1, 2, 3], 0, 3)])
-    runner.step([("y-00000000", [7, 7, 7, 7, 7], 0, 5)])   # same buffers, other tokens
-    np.testing.assert_array_equal(decode_rows(runner.recorder.take(["x"])["x"]), expected([1, 2, 3]))
+    runner.step([("x-00000000", [1, 2, 3, 4, 5], 0, 5)])
+    runner.step([("y-00000000", [7, 7, 7, 7, 7], 0, 5)])   # same buffers, other tokens, before x's are filed
+    runner.step([("z-00000000", [1, 2, 3, 4, 9], 4, 1)])    # x's first block, from the cache
+    np.testing.assert_array_equal(decode_rows(runner.recorder.take(["x"])["x"]), expected([1, 2, 3, 4, 5]))
+    np.testing.assert_array_equal(decode_rows(runner.recorder.take(["z"])["z"]), expected([1, 2, 3, 4, 9]))
 
 
 def test_an_evicted_block_leaves_minus_one_rows_for_the_actor_to_route():
