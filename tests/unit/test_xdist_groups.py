@@ -44,3 +44,17 @@ def test_the_scheduler_scopes_test_ids_by_their_module_group():
     assert scope_of("tests/dist/test_moe_train.py::test_y[tp2-ep2]") == "dist/test_moe_train.py"
     for path in HEAVY:
         assert scope_of(f"tests/{module_name(path)}::test_z") == xdist_group_of(path)
+
+
+def test_every_test_module_has_its_own_basename():
+    """The tiers are directories without ``__init__.py``: pytest imports a test module by its basename, so two
+    modules of one name clash (pytest's "import file mismatch"), and a spawned rank that imports its own test
+    module by name would get the other one."""
+    seen: dict[str, str] = {}
+    clashes = []
+    for path in sorted(TESTS.rglob("test_*.py")):
+        name = module_name(path)
+        if path.name in seen:
+            clashes.append(f"{seen[path.name]} and {name}")
+        seen.setdefault(path.name, name)
+    assert not clashes, f"test modules with one basename: {clashes}; rename one"
