@@ -500,7 +500,7 @@ class VllmEngine:
             for rid in aborts:
                 self._top_positions.pop(rid, None)
             if self.routing_layout is not None:
-                routing_capture.take(self._llm, aborts)   # forget what the workers recorded for them
+                routing_capture.drop(self._llm, aborts)   # forget what the workers recorded for them
         for rid, req in adds:
             self._top_positions[rid] = req.top_logprobs_positions
             params = SamplingParams(

@@ -50,3 +50,8 @@ def take(llm: Any, request_ids: list[str]) -> dict[str, Optional[np.ndarray]]:
     per_worker = llm.collective_rpc("arpo_take_routed_experts", args=(list(request_ids),))
     first = per_worker[0]
     return {rid: decode_rows(first.get(rid)) for rid in request_ids}
+
+
+def drop(llm: Any, request_ids: list[str]) -> None:
+    """Forget aborted requests' routing in the workers (nothing comes back)."""
+    llm.collective_rpc("arpo_drop_routed_experts", args=(list(request_ids),))

@@ -185,25 +185,29 @@ class RoutingRecorder:
         return range(first, len(req.keys))
 
     # ---------------------------------------------------------------- reads
-    def take(self, external_ids: list[str]) -> dict[str, Optional[dict]]:
-        """Each finished request's rows (``shape``, ``int16`` bytes), dropped from the recorder.
-
-        vLLM's engine core adds an 8-character suffix to the request ids it is given; callers pass theirs.
-        """
+    def _pop(self, external_ids: list[str]) -> dict[str, _Request]:
+        """The requests of ``external_ids``, removed from the recorder. vLLM's engine core adds an 8-character
+        suffix to the request ids it is given; callers pass theirs."""
         self.flush()
         wanted = set(external_ids)
-        found: dict[str, Optional[dict]] = {rid: None for rid in external_ids}
+        popped = {}
         for rid in list(self.requests):
             ext = rid if rid in wanted else rid.rsplit("-", 1)[0]
             if ext in wanted:
-                req = self.requests.pop(rid)
-                rows = np.ascontiguousarray(req.rows[:req.seen])
-                found[ext] = {"shape": list(rows.shape), "data": rows.tobytes()}
+                popped[ext] = self.requests.pop(rid)
+        return popped
+
+    def take(self, external_ids: list[str]) -> dict[str, Optional[dict]]:
+        """Each finished request's rows (``shape``, ``int16`` bytes; None if no forward saw it), dropped."""
+        found: dict[str, Optional[dict]] = {rid: None for rid in external_ids}
+        for ext, req in self._pop(external_ids).items():
+            rows = np.ascontiguousarray(req.rows[:req.seen])
+            found[ext] = {"shape": list(rows.shape), "data": rows.tobytes()}
         return found
 
     def drop(self, external_ids: list[str]) -> None:
-        """Forget aborted requests."""
-        self.take(external_ids)
+        """Forget requests whose rows nobody reads (aborted ones; another worker's copy)."""
+        self._pop(external_ids)
 
 
 def decode_rows(payload: Optional[dict]) -> Optional[np.ndarray]:

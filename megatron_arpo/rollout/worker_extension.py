@@ -15,24 +15,35 @@ from megatron_arpo.weight_sync.receivers import SyncWorkerExtension
 
 
 class EngineWorkerExtension(SyncWorkerExtension):
-    """Weight-sync methods plus routing capture (``arpo_*_routing`` / ``arpo_take_routed_experts``)."""
+    """Weight-sync methods plus routing capture (``arpo_*_routing*`` / ``arpo_*_routed_experts``)."""
+
+    _arpo_routing: Optional[RoutingRecorder] = None
 
     def arpo_enable_routing_capture(self) -> dict:
         """Bind the routing recorder to this worker's model runner (once); its layout."""
-        recorder = getattr(self, "_arpo_routing", None)
-        if recorder is None:
-            recorder = self._arpo_routing = RoutingRecorder(self.model_runner)
+        if self._arpo_routing is None:
+            self._arpo_routing = RoutingRecorder(self.model_runner)
+        recorder = self._arpo_routing
         return {"layers": recorder.shape[0], "topk": recorder.shape[1], "block_size": recorder.block_size}
 
-    def arpo_take_routed_experts(self, request_ids: list[str]) -> Optional[dict]:
-        """Finished requests' routing, dropped from the recorder; only the first TP rank returns it."""
-        recorder = getattr(self, "_arpo_routing", None)
-        if recorder is None:
+    def _routing_recorder(self) -> RoutingRecorder:
+        if self._arpo_routing is None:
             raise RuntimeError("routing capture is off in this engine: call arpo_enable_routing_capture first")
-        rows = recorder.take(list(request_ids))
-        return rows if getattr(self, "rank", 0) == 0 else None
+        return self._arpo_routing
+
+    def arpo_take_routed_experts(self, request_ids: list[str]) -> Optional[dict]:
+        """Finished requests' routing, dropped from the recorder. The first worker returns it; the others hold
+        the same rows (every TP rank routes every token) and only forget them."""
+        if getattr(self, "rank", 0) != 0:
+            self._routing_recorder().drop(list(request_ids))
+            return None
+        return self._routing_recorder().take(list(request_ids))
+
+    def arpo_drop_routed_experts(self, request_ids: list[str]) -> None:
+        """Forget aborted requests' routing."""
+        self._routing_recorder().drop(list(request_ids))
 
     def arpo_routing_stats(self) -> Optional[dict]:
-        recorder = getattr(self, "_arpo_routing", None)
+        recorder = self._arpo_routing
         return None if recorder is None else dict(recorder.stats, stored_blocks=len(recorder.blocks),
                                                   open_requests=len(recorder.requests))

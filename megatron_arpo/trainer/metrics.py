@@ -257,10 +257,11 @@ def token_statistics(batch: Mapping[str, Any], trajectories: Sequence[Any], entr
         entropy = batch.get("entropy", [None] * len(trajectories))[i]
         ref = batch.get("ref_logprobs", [None] * len(trajectories))[i]
         last = len(t.response_ids) - (1 if t.call_limit_hit else 0)  # the appended EOS has no engine log-prob
-        sampled = [j for j in range(last) if t.loss_mask[j]]
-        if routing is not None and sampled:  # the engine's forwards saw every position before its last sample
-            seen += p + sampled[-1]
-            recorded += sum(1 for row in routing[i][:p + sampled[-1]] if row[0][0] >= 0)
+        if routing is not None:  # the engine's forwards saw every position before its last sampled token
+            sampled = [j for j in range(last) if t.loss_mask[j]]
+            upto = p + sampled[-1] if sampled else 0
+            seen += upto
+            recorded += sum(1 for row in routing[i][:upto] if row[0][0] >= 0)
         for j, (mask, engine_lp) in enumerate(zip(t.loss_mask, t.response_logprobs)):
             if not mask:
                 continue

@@ -121,7 +121,7 @@ def rearm_packed_experts(model: Any) -> list[str]:
     Returns the names of the modules re-armed."""
     if not isinstance(model, torch.nn.Module):  # the scripted engine's name -> tensor store: no modules
         return []
-    # deferred: vLLM's MoE layers (heavy; this module imports without them)
+    # deferred: vLLM's MoE layers (heavy, and only a sync into a model needs them)
     from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEExperts
     from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 
