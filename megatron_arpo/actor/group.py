@@ -22,7 +22,7 @@ Every call is collective over the whole group:
 - ``sync_weights(engines)``: the weights go from the actor ranks straight into the engines; this object
   only coordinates (``megatron_arpo.weight_sync.protocol``): it opens the transfer once, then per sync
   starts the engines' update, lets every rank stream its share (each pipeline stage's sender its own
-  layers), finishes the update (the engines check the load) and drops the prefix caches. No weight
+  layers; with expert parallelism each EP rank's sender its own experts), finishes the update (the engines check the load) and drops the prefix caches. No weight
   byte passes through the driver; the report counts what did (``driver_bytes``, ``driver_weight_bytes``).
 - ``offload_state``/``onload_state`` (colocated ``actor.offload``): every rank's grad buffers and
   optimizer state leave the GPU and come back; returns the slowest rank's seconds and the largest rank's
@@ -272,7 +272,7 @@ class ActorGroup:
         return report
 
     def _open_sync(self, refs: list, timeout: float, keep_in_flight: bool = False) -> None:
-        """Form the transfer group: the stage senders' endpoints, the engines' rank offsets, both sides joining."""
+        """Form the transfer groups: the senders' endpoints, the engines' rank offsets, both sides joining."""
         self.close_sync()
         infos = ws.call_engines(refs, "weight_transfer_info", timeout=timeout)
         # The transport was chosen once, when the run started (the engines were built with it too); a group
@@ -284,7 +284,8 @@ class ActorGroup:
                                          f"{info.get('transport')!r} weight transport, the actor sends over "
                                          f"{transport!r}; start the engines with weight_transfer={transport!r}")
         offsets, world = ws.transfer_ranks([info["world_size"] for info in infos])
-        endpoints: list = [None] * self.pp
+        # One sender per pipeline stage, and with expert parallelism one per EP rank of each stage.
+        endpoints: list = [None] * (self.pp * self.cfg.actor.expert_parallel)
         for reserved in self.workers.call_all("reserve_weight_sync", transport, timeout=timeout):
             if reserved is not None:
                 endpoints[reserved[0]] = tuple(reserved[1])
@@ -296,7 +297,7 @@ class ActorGroup:
         ws.wait_engines(joining, refs, "init_weight_transfer_engine", timeout)
         self._sender_result(opening)
         self._sync = session
-        logger.info("weight sync open: %s, %d engine(s) of %s worker(s), group of %d, stage endpoints %s", transport,
+        logger.info("weight sync open: %s, %d engine(s) of %s worker(s), group of %d, sender endpoints %s", transport,
                     len(refs), session.world_sizes, world, endpoints)
 
     def _call_senders(self, method: str, *args: Any, timeout: float) -> list:

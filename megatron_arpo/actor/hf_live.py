@@ -13,9 +13,9 @@ pipeline stages (several chunks per rank) are not supported yet and are rejected
   layers, about ``bucket_bytes`` each, the tensors back to back in one flat byte buffer): each tensor's
   TP shards are gathered (on one TP rank, the weight-sync sender, or on all), turned into HF tensors by
   the table (vocab trimmed, no ``lm_head`` when tied) and copied into the bucket. The weight sync sends
-  these buckets to the rollout engines (megatron_arpo.weight_sync.senders). With expert parallelism the
-  experts of a layer are gathered over the EP group onto EP rank 0, whose sender sends the whole layer
-  (not yet: each EP rank sending its own experts).
+  these buckets to the rollout engines (megatron_arpo.weight_sync.senders). With expert parallelism
+  each EP rank builds its own part of every bucket (its experts; EP rank 0 adds the rest), which the
+  weight sync sends from every EP rank.
 - :func:`export_hf_buckets` / :func:`export_hf_weights` give the whole model on every rank of the TP x
   PP grid, in lockstep and in the same order: the owning stage broadcasts each packed bucket to the
   other stages (metadata with every bucket: nothing is cached across calls). HF checkpoint writing and
@@ -247,16 +247,18 @@ def stage_hf_buckets(models, cfg: ModelConfig, bucket_bytes: int, *, tp_group, p
     cannot be gathered in place) and one full tensor while unsharding.
 
     Expert parallelism (``ep_group``: the EP group of this rank, whose TP group must also be its expert-TP
-    group): the experts of a layer are gathered onto EP rank 0, which builds the buckets (see
-    `_gather_expert`). With a ``dst`` only TP rank ``dst`` of EP rank 0 receives; the ranks of the other
-    EP ranks (the other data-parallel replicas of the stage) must iterate too: they gather their own
-    experts and send them over, yielding ``None``. With ``dst=None`` every rank of the EP group gets
-    every bucket.
+    group). With a ``dst`` nothing crosses the EP group: the buckets are planned as at EP 1 (whole layers,
+    the same on every EP rank), and each EP rank's TP rank ``dst`` builds its part of each, its own
+    experts and on EP rank 0 every tensor that is not an expert. The parts of bucket k together are
+    bucket k. Every rank yields once per planned bucket, ``None`` where it has nothing of that bucket,
+    so the EP ranks' senders can take turns bucket by bucket. With ``dst=None`` every rank of the EP
+    group gets every whole bucket (each expert broadcast from its owner, `_share_expert`).
     """
     tp_size = torch.distributed.get_world_size(tp_group)
     ep_size = 1 if ep_group is None else torch.distributed.get_world_size(ep_group)
     ep_rank = 0 if ep_group is None else torch.distributed.get_rank(ep_group)
-    receiving = dst is None or (torch.distributed.get_rank(tp_group) == dst and ep_rank == 0)
+    own = ep_size > 1 and dst is not None  # each EP rank its own part of every bucket
+    receiving = dst is None or torch.distributed.get_rank(tp_group) == dst
     params = stage_parameters(models, cfg, pp_rank, pp_size, ep_rank, ep_size)
     rules = [r for r in mapping.rules_for_stage(mapping.bind_table(cfg), cfg, pp_rank, pp_size) if r.hf_outputs]
     if not rules:
@@ -266,9 +268,15 @@ def stage_hf_buckets(models, cfg: ModelConfig, bucket_bytes: int, *, tp_group, p
     dtype = dtype or some.dtype
     device = some.device
     for bucket in plan_stage_buckets(rules, cfg, dtype, bucket_bytes, aliases):
+        named = flat = views = out = wait = None  # this generator's references to the previous bucket (pool reuse)
+        if own:  # this EP rank's part: its experts, and on EP rank 0 the rest
+            bucket = [r for r in bucket if (r.expert is None and ep_rank == 0)
+                      or (r.expert is not None and mapping.expert_rank(r, cfg, ep_size) == ep_rank)]
+            if not bucket:
+                yield None
+                continue
         layout = _bucket_layout(bucket, cfg, dtype, aliases)
         nbytes = layout.nbytes
-        named = flat = views = out = wait = None  # this generator's references to the previous bucket (pool reuse)
         if receiving:
             if buffer is not None and buffer.numel() < nbytes:
                 raise ValueError(f"the send buffer holds {buffer.numel()} bytes, a bucket needs {nbytes}")
@@ -283,15 +291,12 @@ def stage_hf_buckets(models, cfg: ModelConfig, bucket_bytes: int, *, tp_group, p
         in_flight: collections.deque = collections.deque()  # (rule, wait) of the gathers posted, in order
         for index, rule in enumerate(bucket + [None] * GATHERS_IN_FLIGHT):
             if rule is not None:
-                owner = mapping.expert_rank(rule, cfg, ep_size) if ep_size > 1 else None
+                owner = mapping.expert_rank(rule, cfg, ep_size) if ep_size > 1 and not own else None
                 param = params.get(rule.megatron)
                 like = param if param is not None else _stand_in(rule, cfg, tp_size, some.dtype)
                 out = _in_bucket(rule, views, like, cfg, tp_size) if receiving else None
                 if owner is not None:
-                    wait = _gather_expert(rule, param, like, cfg, tp_group, tp_size, dst, out, index, ep_group,
-                                          owner, device)
-                elif ep_rank != 0 and dst is not None:
-                    wait = _nothing  # another replica's rank: only its experts are asked of it
+                    wait = _share_expert(rule, param, like, cfg, tp_group, tp_size, out, ep_group, owner, device)
                 else:
                     wait = _gather_full(rule, param, tp_group, tp_size, dst, out, tag=2 * index)
                 in_flight.append((rule, wait))
@@ -309,10 +314,6 @@ def stage_hf_buckets(models, cfg: ModelConfig, bucket_bytes: int, *, tp_group, p
                         views[target].copy_(tensor)
             del full, tensor
         yield (flat, named) if receiving else None
-
-
-def _nothing() -> None:
-    return None
 
 
 def _check_expert_params(rules: Sequence[mapping.BoundRule], params: Mapping[str, torch.Tensor], cfg: ModelConfig,
@@ -338,48 +339,24 @@ def _stand_in(rule: mapping.BoundRule, cfg: ModelConfig, tp_size: int, dtype: to
     return torch.empty(rule.shard_shape(cfg, tp_size), dtype=dtype, device="meta")
 
 
-def _gather_expert(rule: mapping.BoundRule, param: torch.Tensor | None, like: torch.Tensor, cfg: ModelConfig,
-                   tp_group, tp_size: int, dst: int | None, out: torch.Tensor | None, index: int, ep_group,
-                   owner: int, device: torch.device) -> Callable[[], torch.Tensor | None]:
-    """Start bringing one expert tensor to EP rank 0 (``dst`` given) or to every EP rank; returns the wait.
+def _share_expert(rule: mapping.BoundRule, param: torch.Tensor | None, like: torch.Tensor, cfg: ModelConfig,
+                  tp_group, tp_size: int, out: torch.Tensor | None, ep_group, owner: int,
+                  device: torch.device) -> Callable[[], torch.Tensor]:
+    """Start bringing one expert tensor to every rank of the EP group; returns the wait.
 
-    The owning EP rank (``owner``) gathers its TP shards as `_gather_full` does (onto TP rank ``dst``, or
-    on every TP rank), then the full tensor crosses the EP group: with a ``dst``, point to point from the
-    owner's TP rank ``dst`` to EP rank 0's (the receive is posted at once, into the bucket when the tensor
-    lands there whole); without, broadcast from the owner. The broadcast runs inside the wait, which
-    every rank calls in bucket order, so the EP group's collectives keep one order on all its ranks.
+    The owning EP rank (``owner``) all-gathers its TP shards as `_gather_full` does, then broadcasts the
+    full tensor over the EP group. The broadcast runs inside the wait, which every rank calls in bucket
+    order, so the EP group's collectives keep one order on all its ranks.
     """
-    ep_rank = torch.distributed.get_rank(ep_group)
-    tp_rank = torch.distributed.get_rank(tp_group)
-    if dst is not None and tp_rank != dst:
-        if ep_rank == owner:  # contributes its shard to TP rank dst of its EP rank
-            return _gather_full(rule, param, tp_group, tp_size, dst, None, tag=2 * index)
-        return _nothing
-    shape = rule.megatron_shape(cfg, tp_size)
-    if ep_rank == owner:
-        gathered = _gather_full(rule, param, tp_group, tp_size, dst, out, tag=2 * index)
-        if owner == 0 and dst is not None:
-            return gathered  # EP rank 0 builds the bucket: nothing crosses the EP group
-        if dst is not None:
-            def send() -> None:
-                torch.distributed.send(gathered().contiguous(), group=ep_group, group_dst=0, tag=index)
-            return send
+    if torch.distributed.get_rank(ep_group) == owner:
+        gathered = _gather_full(rule, param, tp_group, tp_size, None, out)
 
         def share() -> torch.Tensor:
             full = gathered().contiguous()
             torch.distributed.broadcast(full, group=ep_group, group_src=owner)
             return full
         return share
-    full = out if out is not None else torch.empty(shape, dtype=like.dtype, device=device)
-    if dst is not None:
-        if ep_rank != 0:
-            return _nothing  # neither the owner nor the receiver of this expert
-        work = torch.distributed.irecv(full, group=ep_group, group_src=owner, tag=index)
-
-        def received() -> torch.Tensor:
-            work.wait()
-            return full
-        return received
+    full = out if out is not None else torch.empty(rule.megatron_shape(cfg, tp_size), dtype=like.dtype, device=device)
 
     def shared() -> torch.Tensor:
         torch.distributed.broadcast(full, group=ep_group, group_src=owner)

@@ -3,17 +3,23 @@
 `ActorSync` lives on every rank of the actor group (``MegatronActorWorker.sync``); the driver
 (`megatron_arpo.actor.group.ActorGroup.sync_weights`) calls the same method on every rank:
 
-1. ``reserve(transport)`` (once): with ``gloo``/``nccl``, the sender of each pipeline stage — data-parallel
-   replica 0, tensor-parallel rank 0 — reserves an endpoint on its node and returns it; the driver hands
-   the endpoints to the engines.
-2. ``open(engines, world_size)`` (once, while the engines join): the stage senders join their group as
+1. ``reserve(transport)`` (once): with ``gloo``/``nccl``, every sender reserves an endpoint on its node and
+   returns it with its index; the driver hands the endpoints to the engines. A pipeline stage has one
+   sender, data-parallel replica 0's tensor-parallel rank 0. With expert parallelism it has one per EP
+   rank: TP rank 0 of each replica that holds a share of the experts (expert-data-parallel rank 0).
+   Sender ``pp_rank x EP + ep_rank`` is rank 0 of the engines' group of that index.
+2. ``open(engines, world_size)`` (once, while the engines join): the senders join their group as
    rank 0 (`megatron_arpo.weight_sync.senders`, one module per transport).
 3. ``send(sync_id, ...)`` (every sync). ``gloo``/``nccl``: stage after stage (the engines take one sender
-   at a time; two stages sending to the same engines at once could deadlock their broadcasts), the stage's
-   TP ranks gather each bucket's shards on the sender (``megatron_arpo.actor.hf_live.stage_hf_buckets``: mapped through
-   the conversion tables into one packed buffer), which sends it. With expert parallelism the replicas
-   holding the other experts take part too: their ranks gather their experts and send them to the
-   sender over the EP group (the sender sends every expert of a layer). With gloo (host memory) the sender
+   at a time; two senders sending to the same engines at once could deadlock their broadcasts), the
+   stage's TP ranks gather each bucket's shards on the sender (``megatron_arpo.actor.hf_live.stage_hf_buckets``:
+   mapped through the conversion tables into one packed buffer), which sends it. With expert parallelism
+   each EP rank's sender builds and sends its part of each bucket: its own experts, and on EP rank 0
+   every other tensor; no expert crosses the EP group. The EP ranks' senders take turns
+   bucket by bucket: one sends its part and waits for the engines' loads, then a vote over the stage's
+   senders (the EP group of their TP rank 0) hands the turn on and tells every sender whether one failed.
+   An engine's layerwise reload buffers a MoE layer until its last EP rank's experts arrived, so it holds
+   about one bucket's parts at a time. With gloo (host memory) the sender
    packs into two buffers (`BufferPool`: bucket k travels from one while k+1 is packed into the other;
    a much larger bucket waits for the other one instead of growing the free one, so the two hold about
    the largest bucket and the second largest) that it keeps across syncs, as verl and slime keep their
@@ -72,17 +78,26 @@ class ActorSync:
 
     @property
     def is_stage_sender(self) -> bool:
+        """Whether this rank sends its stage's buckets (with expert parallelism: its EP rank's part of them)."""
         w = self.worker
-        return w.dp_rank == 0 and w.tp_rank == 0
+        if w.parallel.ep == 1:
+            return w.dp_rank == 0 and w.tp_rank == 0
+        return w.tp_rank == 0 and w.streams_hf_weights
+
+    @property
+    def sender_index(self) -> int:
+        """This sender's index among the engines' transfer groups: ``pp_rank x EP + ep_rank``."""
+        w = self.worker
+        return w.pp_rank * w.parallel.ep + _ep_rank(w)
 
     def reserve(self, transport: str) -> Optional[tuple[int, tuple[str, int]]]:
-        """``(pipeline stage, (host, port))`` on the stage senders of gloo/nccl; None elsewhere."""
+        """``(sender index, (host, port))`` on the senders of gloo/nccl; None elsewhere."""
         self.close()
         self.transport = transport
         if transport == "ipc" or not self.is_stage_sender:
             return None
         self._endpoint = reserve_endpoint()
-        return self.worker.pp_rank, self._endpoint[0]
+        return self.sender_index, self._endpoint[0]
 
     def open(self, engines: Sequence[Any], world_size: int, timeout_s: float) -> None:
         if self.transport is None:
@@ -91,7 +106,7 @@ class ActorSync:
             self.sender = make_sender("ipc", engines, timeout_s=timeout_s, group=None)
         elif self.is_stage_sender:
             self.sender = make_sender(self.transport, engines, stage=self.worker.pp_rank, timeout_s=timeout_s,
-                                      endpoint=self._endpoint)
+                                      endpoint=self._endpoint, sender=self.sender_index)
             self._endpoint = None
             self.sender.open(world_size)
 
@@ -132,7 +147,9 @@ class ActorSync:
         """This rank's part of its stage; ``(the sender's failure or None, the sender's report)``.
 
         A sender that fails (an engine died) keeps taking part in the stage's TP gathers without sending,
-        so that its TP peers finish the stage instead of waiting in the next gather forever.
+        so that its TP peers finish the stage instead of waiting in the next gather forever. With expert
+        parallelism the stage's senders take turns per bucket (`_take_turns`); after a failure none sends
+        again, and each finishes its gathers.
         """
         # deferred: pulls in megatron-core (heavy; this module imports without it)
         from megatron.core import parallel_state
@@ -148,20 +165,19 @@ class ActorSync:
                 self.pool = pool = self.pool or BufferPool(SEND_BUFFERS)
                 pool.wait = self.sender.settle
                 handed_out = dict(pool.stats)
+        ep_group = parallel_state.get_expert_model_parallel_group() if w.parallel.ep > 1 else None
+        turns = ep_group if ep_group is not None and self.is_stage_sender else None
+        stopped = False  # a sender of this stage failed: no more sending, only the gathers
         for bucket in stage_hf_buckets(w.model, w.model_cfg, bucket_bytes,
                                        tp_group=parallel_state.get_tensor_model_parallel_group(),
                                        pp_rank=w.pp_rank, pp_size=w.pp, dst=0, aliases=self.aliases, pool=pool,
-                                       ep_group=parallel_state.get_expert_model_parallel_group()
-                                       if w.parallel.ep > 1 else None):
-            if bucket is not None and failure is None:
-                try:
-                    self.sender.send(*bucket, verify_fraction=verify_fraction)
-                except Exception as exc:
-                    failure = exc
-                    if pool is not None:
-                        pool.wait = None  # nothing to wait for any more: the stage only finishes its gathers
-                    logger.warning("weight sync %d: stage %d stops sending (%s); its ranks finish the stage's "
-                                   "gathers", sync_id, w.pp_rank, str(exc).splitlines()[0])
+                                       ep_group=ep_group):
+            if turns is not None:
+                failure, stopped = self._take_turns(bucket, turns, failure, stopped, verify_fraction, sync_id)
+            elif bucket is not None and failure is None:
+                failure = self._send_bucket(bucket, verify_fraction, sync_id)
+            if failure is not None and pool is not None:
+                pool.wait = None  # nothing to wait for any more: the stage only finishes its gathers
             del bucket  # handed over: its buffer is free again once the sender let go of it
         report: dict = {}
         if self.sender is not None and failure is None:
@@ -173,6 +189,33 @@ class ActorSync:
             except Exception as exc:
                 failure = exc
         return failure, report
+
+    def _send_bucket(self, bucket: tuple, verify_fraction: float, sync_id: int,
+                     flush: bool = False) -> Optional[BaseException]:
+        """Hand one bucket to the sender (``flush``: and wait for the engines' loads); the failure or None."""
+        try:
+            self.sender.send(*bucket, verify_fraction=verify_fraction)
+            if flush:
+                self.sender.flush()
+        except Exception as exc:
+            logger.warning("weight sync %d: sender %d stops sending (%s); its ranks finish the stage's gathers",
+                           sync_id, self.sender.sender, str(exc).splitlines()[0])
+            return exc
+        return None
+
+    def _take_turns(self, bucket: Optional[tuple], turns: Any, failure: Optional[BaseException], stopped: bool,
+                    verify_fraction: float, sync_id: int) -> tuple[Optional[BaseException], bool]:
+        """The stage's senders (one per EP rank) send their parts of one bucket in EP-rank order.
+
+        Each sends, waits for the engines' loads (the engines take one sender at a time), and the vote
+        that follows hands the turn to the next; the vote also stops every sender after one failed.
+        """
+        mine = _ep_rank(self.worker)
+        for turn in range(dist.get_world_size(group=turns)):
+            if turn == mine and bucket is not None and not stopped:
+                failure = self._send_bucket(bucket, verify_fraction, sync_id, flush=True)
+            stopped = _any_rank(failure is not None, turns) or stopped
+        return failure, stopped
 
     def _send_ipc(self, sync_id: int, bucket_bytes: int, verify_fraction: float) -> dict:
         w = self.worker
@@ -205,6 +248,16 @@ class ActorSync:
             self._endpoint[1].close()
             self._endpoint = None
         self.transport = None
+
+
+def _ep_rank(worker: Any) -> int:
+    """``worker``'s expert-parallel rank (0 without expert parallelism)."""
+    if worker.parallel.ep == 1:
+        return 0
+    # deferred: pulls in megatron-core (heavy; this module imports without it)
+    from megatron.core import parallel_state
+
+    return parallel_state.get_expert_model_parallel_rank()
 
 
 def _any_rank(flag: bool, group: Any) -> bool:

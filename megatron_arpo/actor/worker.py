@@ -229,7 +229,8 @@ class MegatronActorWorker:
         """Whether this rank takes part in the HF weight stream (HF export, weight sync to gloo/nccl engines).
 
         Data-parallel replica 0, and with expert parallelism the replicas that hold the other experts
-        (expert-data-parallel rank 0: their experts are gathered onto replica 0, ``hf_live.stage_hf_buckets``).
+        (expert-data-parallel rank 0: each sends its own experts in the weight sync, and shares them over the EP
+        group in the HF export; ``hf_live.stage_hf_buckets``).
         """
         # deferred: pulls in megatron-core (heavy; this module imports without it)
         from megatron.core import parallel_state

@@ -693,9 +693,9 @@ class VllmEngine:
         if self._updating is None:
             raise RuntimeError(f"engine {self.engine_index}: update_weights outside a weight update; call "
                                "start_weight_update first")
-        self._updating = f"bucket {update_info.get('bucket')} of stage {update_info.get('stage')} in progress"
+        self._updating = f"bucket {update_info.get('bucket')} of sender {update_info.get('sender')} in progress"
         await self._on_engine_thread(lambda: self._llm.update_weights({"update_info": update_info}))
-        self._updating = f"loaded up to bucket {update_info.get('bucket')} of stage {update_info.get('stage')}"
+        self._updating = f"loaded up to bucket {update_info.get('bucket')} of sender {update_info.get('sender')}"
         return len(update_info.get("names", ()))
 
     async def finish_weight_update(self, version: Optional[int] = None) -> dict[str, Any]:

@@ -77,7 +77,7 @@ METRIC_KEYS: tuple[str, ...] = (
         "loss_tokens", "loss_last", "grad_norm", "grad_norm_max", "lr", "padding_fraction", "tokens",
         "tokens_per_s", "num_optimizer_steps", "logprob_padding_fraction", "entropy", "entropy_after_tool",
         "ref_kl")),
-    *(f"sync/{k}" for k in ("seconds", "send_s", "bytes", "gb_per_s", "buckets", "driver_bytes",
+    *(f"sync/{k}" for k in ("seconds", "send_s", "bytes", "gb_per_s", "buckets", "senders", "driver_bytes",
                             "driver_weight_bytes", "verified")),
     "phase/<switch>_s", "phase/offload_optimizer_gib", "phase/offload_grad_gib",
     "time/<phase>_s", "time/step_s", "time/outside_model_frac",
@@ -237,7 +237,8 @@ def sync_metrics(report: Mapping[str, Any]) -> dict[str, float]:
     seconds = float(report["seconds"])
     return {"sync/seconds": seconds, "sync/send_s": float(report["send_s"]), "sync/bytes": float(report["bytes"]),
             "sync/gb_per_s": report["bytes"] / 1e9 / seconds if seconds > 0 else 0.0,
-            "sync/buckets": float(report["buckets"]), "sync/driver_bytes": float(report["driver_bytes"]),
+            "sync/buckets": float(report["buckets"]), "sync/senders": float(report.get("senders", 0)),
+            "sync/driver_bytes": float(report["driver_bytes"]),
             "sync/driver_weight_bytes": float(report["driver_weight_bytes"]),
             "sync/verified": float(len(report.get("verified_after_load", [])))}
 

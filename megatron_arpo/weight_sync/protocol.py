@@ -376,20 +376,22 @@ def transfer_ranks(engine_world_sizes: Sequence[int], num_senders: int = 1) -> t
 def receiver_init_info(transport: str, endpoints: Sequence[Optional[tuple[str, int]]], rank_offset: int,
                        world_size: int, timeout_s: float, packed_buffer_bytes: int = NCCL_PACKED_BUFFER_BYTES
                        ) -> dict[str, Any]:
-    """``init_info`` for one engine's ``init_weight_transfer_engine``: one endpoint per pipeline stage."""
+    """``init_info`` for one engine's ``init_weight_transfer_engine``: one endpoint per sender (a pipeline
+    stage's, or with expert parallelism each EP rank's of each stage), in sender-index order."""
     if transport == "ipc":
         return {"packed": True}
     if transport not in ("gloo", "nccl"):
         raise ValueError(f"unknown weight transport {transport!r}; allowed: {TRANSPORTS}")
     if not endpoints or any(e is None for e in endpoints):
-        raise ValueError(f"{transport}: every pipeline stage needs a sender endpoint, got {list(endpoints)}")
-    stages = [{"master_address": host, "master_port": int(port), "rank_offset": rank_offset,
-               "world_size": world_size} for host, port in endpoints]
+        raise ValueError(f"{transport}: every sender (one per pipeline stage and expert-parallel rank) needs an "
+                         f"endpoint, got {list(endpoints)}")
+    senders = [{"master_address": host, "master_port": int(port), "rank_offset": rank_offset,
+                "world_size": world_size} for host, port in endpoints]
     if transport == "nccl":
-        for stage in stages:
-            stage.update(packed=True, packed_buffer_size_bytes=packed_buffer_bytes)
-        return {"stages": stages}
-    return {"stages": stages, "timeout_s": float(timeout_s)}
+        for sender in senders:
+            sender.update(packed=True, packed_buffer_size_bytes=packed_buffer_bytes)
+        return {"senders": senders}
+    return {"senders": senders, "timeout_s": float(timeout_s)}
 
 
 # -------------------------------------------------------------------------------- engines, as seen by
@@ -546,10 +548,11 @@ def payload_bytes(obj: Any) -> tuple[int, int]:
 
 def merge_reports(sender_reports: Sequence[Mapping[str, Any]], engine_reports: Sequence[Mapping[str, Any]],
                   sync_id: int, seconds: float, driver_bytes: int) -> dict[str, Any]:
-    """One sync's report from the senders' (one per pipeline stage) and the engines' answers."""
+    """One sync's report from the senders' (one per pipeline stage and EP rank) and the engines' answers."""
     senders = [r for r in sender_reports if r]
     verified = sorted(set.intersection(*(set(r.get("verified", [])) for r in engine_reports))) if engine_reports else []
     return {"sync_id": sync_id, "seconds": seconds,
+            "senders": len(senders),
             "tensors": sum(r["tensors"] for r in senders), "buckets": sum(r["buckets"] for r in senders),
             "bytes": sum(r["bytes"] for r in senders),
             "send_s": max((r["seconds"] for r in senders), default=0.0),

@@ -5,13 +5,17 @@ shard of it). vLLM 0.32 creates one engine per worker from ``weight_transfer_con
 ``megatron_arpo.weight_sync.vllm_plugin``, which registers the three backends in every vLLM process) and
 drives it through the worker's four phases:
 
-- ``init_weight_transfer_engine(init_info)``: join the senders' groups, one per actor pipeline stage
-  (each stage's sender streams its own layers). Ranks follow vLLM's convention: the sender is rank 0,
-  this worker is ``rank_offset + data-parallel index x engine world + worker rank``.
+- ``init_weight_transfer_engine(init_info)``: join the senders' groups, one per sender (each actor
+  pipeline stage streams its own layers; with expert parallelism each EP rank of a stage sends its own
+  experts, EP rank 0 the rest). Ranks follow vLLM's convention: the sender is rank 0, this worker is
+  ``rank_offset + data-parallel index x engine world + worker rank``. The senders take turns: one
+  sender's bucket is loaded before the next sender's goes out.
 - ``start_weight_update()``: vLLM's layerwise reload begins (``initialize_layerwise_reload``): a layer's
   weights are buffered until all of them arrived, then loaded and post-processed in place.
-- ``update_weights(update_info)``: one bucket (names, dtypes, shapes, the pipeline ``stage`` it comes
-  from, and the verify sample's checksums). Received, checked, handed to ``model.load_weights``.
+- ``update_weights(update_info)``: one bucket (names, dtypes, shapes, the ``sender`` whose group it
+  comes on, and the verify sample's checksums). Received, checked, handed to ``model.load_weights``. A
+  layer whose parts come from several senders (a MoE layer's experts, one part per EP rank) is buffered
+  by the layerwise reload until its last part arrived.
 - ``finish_weight_update()``: ``finalize_layerwise_reload``; then the verify sample is compared with the
   loaded parameters (`SyncWorkerExtension.arpo_sync_report` reads the outcome).
 
@@ -22,7 +26,7 @@ Three engines, one per transport:
   (`BufferPool`: one the load no longer holds views of) and is loaded from views of it.
 - `StagedNCCLWeightTransferEngine`: vLLM's ``NCCLWeightTransferEngine`` — its rendezvous
   (``worker_init_process_group``), packed broadcast consumer and layerwise reload — with one NCCL
-  group per pipeline stage instead of one; a bucket is received on its stage's group.
+  group per sender instead of one; a bucket is received on its sender's group.
 - `VerifiedIPCWeightTransferEngine`: vLLM's ``IPCWeightTransferEngine`` (packed: one CUDA-IPC buffer
   per actor GPU, rebuilt on this worker's GPU by its UUID, cloned, loaded).
 
@@ -218,16 +222,24 @@ class _LoadChecks:
 
 @dataclass
 class _UpdateExtras:
-    stage: int = 0                      # the actor pipeline stage that sends this bucket
+    sender: int = 0                     # the sender (its transfer group) of this bucket
+    stage: int = 0                      # the actor pipeline stage it belongs to (messages)
     sync_id: int = -1
     bucket: int = 0
     expected: dict = field(default_factory=dict)   # verify sample: name -> sender checksum
 
 
+def _check_sender(info: _UpdateExtras, joined: int) -> None:
+    if not 0 <= info.sender < joined:
+        raise ValueError(f"bucket {info.bucket} of stage {info.stage} comes from sender {info.sender}, but this engine "
+                         f"joined {joined} sender group(s); the actor and the engines disagree on the senders: "
+                         f"form the transfer group again (ActorGroup.sync_weights does after a failed sync)")
+
+
 # ------------------------------------------------------------------------------------------- gloo
 @dataclass
 class GlooInitInfo(WeightTransferInitInfo):
-    stages: list                        # one {master_address, master_port, rank_offset, world_size} per stage
+    senders: list                       # one {master_address, master_port, rank_offset, world_size} per sender
     timeout_s: float = 900.0
 
 
@@ -265,14 +277,14 @@ class GlooWeightTransferEngine(_LoadChecks, WeightTransferEngine[GlooInitInfo, G
 
         self.shutdown()
         timeout = datetime.timedelta(seconds=init_info.timeout_s)
-        for stage in init_info.stages:
-            rank = worker_rank(self.parallel_config) + int(stage["rank_offset"])
+        for sender in init_info.senders:
+            rank = worker_rank(self.parallel_config) + int(sender["rank_offset"])
             self._groups.append(stateless_init_torch_distributed_process_group(
-                stage["master_address"], int(stage["master_port"]), rank, int(stage["world_size"]), "gloo",
+                sender["master_address"], int(sender["master_port"]), rank, int(sender["world_size"]), "gloo",
                 timeout=timeout))
-        logger.info("gloo weight transfer: joined %d stage group(s) as rank %d of %s", len(self._groups),
-                    worker_rank(self.parallel_config) + int(init_info.stages[0]["rank_offset"]),
-                    init_info.stages[0]["world_size"])
+        logger.info("gloo weight transfer: joined %d sender group(s) as rank %d of %s", len(self._groups),
+                    worker_rank(self.parallel_config) + int(init_info.senders[0]["rank_offset"]),
+                    init_info.senders[0]["world_size"])
 
     def start_weight_update(self) -> None:
         # deferred: pulls in vllm.model_executor.model_loader.reload (heavy; this module imports without it)
@@ -291,14 +303,12 @@ class GlooWeightTransferEngine(_LoadChecks, WeightTransferEngine[GlooInitInfo, G
     def receive_weights(self, update_info: GlooUpdateInfo) -> None:
         if not self._groups:
             raise RuntimeError("gloo weight transfer not initialized: call init_weight_transfer_engine first")
-        if not 0 <= update_info.stage < len(self._groups):
-            raise ValueError(f"bucket {update_info.bucket} comes from stage {update_info.stage}, but this engine "
-                             f"joined {len(self._groups)} stage group(s)")
+        _check_sender(update_info, len(self._groups))
         layout = BucketLayout(tuple(update_info.names), tuple(tuple(s) for s in update_info.shapes),
                               tuple(update_info.dtype_names))
         flat = self.buffers.take(layout.nbytes)
         users = flat._use_count()
-        self._groups[update_info.stage].broadcast(flat, 0).wait()
+        self._groups[update_info.sender].broadcast(flat, 0).wait()
         await_release(flat, users)  # gloo's worker thread lets go of the bucket just after wait() returns
         self._checked_load(self.model, update_info, layout.views(flat))
         # Returning drops this call's views of the buffer; what the load kept keeps the buffer in use.
@@ -317,7 +327,7 @@ class GlooWeightTransferEngine(_LoadChecks, WeightTransferEngine[GlooInitInfo, G
 # ------------------------------------------------------------------------------------------- NCCL
 @dataclass
 class StagedNCCLInitInfo(WeightTransferInitInfo):
-    stages: list                        # one NCCLWeightTransferInitInfo payload per actor pipeline stage
+    senders: list                       # one NCCLWeightTransferInitInfo payload per sender
 
 
 @dataclass
@@ -326,7 +336,7 @@ class StagedNCCLUpdateInfo(_UpdateExtras, NCCLWeightTransferUpdateInfo):
 
 
 class StagedNCCLWeightTransferEngine(_LoadChecks, NCCLWeightTransferEngine):
-    """vLLM's NCCL engine with one group per actor pipeline stage (each stage's sender is rank 0 of its group)."""
+    """vLLM's NCCL engine with one group per sender (each sender is rank 0 of its group)."""
 
     init_info_cls = StagedNCCLInitInfo
     update_info_cls = StagedNCCLUpdateInfo
@@ -336,29 +346,27 @@ class StagedNCCLWeightTransferEngine(_LoadChecks, NCCLWeightTransferEngine):
         from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo, worker_init_process_group
 
         self.shutdown()
-        self._stage_groups = []
-        for stage in init_info.stages:
-            info = NCCLWeightTransferInitInfo(**stage)
+        self._sender_groups = []
+        for sender in init_info.senders:
+            info = NCCLWeightTransferInitInfo(**sender)
             self.packed = info.packed
             self.packed_buffer_size_bytes = info.packed_buffer_size_bytes
             self.packed_num_buffers = info.packed_num_buffers
-            self._stage_groups.append(worker_init_process_group(info, self.parallel_config))
-        self.model_update_group = self._stage_groups[0]
+            self._sender_groups.append(worker_init_process_group(info, self.parallel_config))
+        self.model_update_group = self._sender_groups[0]
 
     def receive_weights(self, update_info: StagedNCCLUpdateInfo) -> None:
-        groups = getattr(self, "_stage_groups", [])
-        if not 0 <= update_info.stage < len(groups):
-            raise ValueError(f"bucket {update_info.bucket} comes from stage {update_info.stage}, but this engine "
-                             f"joined {len(groups)} stage group(s)")
-        self.model_update_group = groups[update_info.stage]
+        groups = getattr(self, "_sender_groups", [])
+        _check_sender(update_info, len(groups))
+        self.model_update_group = groups[update_info.sender]
         with self._loading_through_checks(update_info):
             super().receive_weights(update_info)
 
     def shutdown(self) -> None:
-        for group in getattr(self, "_stage_groups", []):
+        for group in getattr(self, "_sender_groups", []):
             with contextlib.suppress(Exception):
                 group.destroy()
-        self._stage_groups = []
+        self._sender_groups = []
         self.model_update_group = None
 
 

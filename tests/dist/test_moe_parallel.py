@@ -4,8 +4,8 @@ Each rank builds its Megatron stage with EP (all-to-all token dispatcher over gl
 sequential experts), loads its experts from the HF checkpoint, and runs a forward pass; the logits match
 transformers' Qwen3MoeForCausalLM. The ranks' live parameters, put together by the mapping table
 (``megatron_states_to_hf``, EP-local expert indices), give back the HF tensors bit for bit, and so does
-the HF stream at EP2 (``export_hf_weights`` on every rank, and ``stage_hf_buckets`` onto each stage's
-weight-sync sender); a swap of two experts on one rank is caught by every check.
+the HF stream at EP2 (``export_hf_weights`` on every rank, and ``stage_hf_buckets`` as the weight sync
+sends it: each EP rank's part of every bucket); a swap of two experts on one rank is caught by every check.
 
 Cross-check with an independent converter: mbridge (Megatron-Core's HF bridge, its own mapping of
 Qwen3-MoE) converts the same HF tensors for each rank's parameters (its names: TE's fused layer norm and
@@ -16,6 +16,7 @@ parameter of every rank equals mbridge's shard bit for bit, and the swapped expe
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 import torch
@@ -67,7 +68,8 @@ def _ep_worker(rank: int, world_size: int, hf_dir: str, tp: int, pp: int, ep: in
     from megatron.core import parallel_state as ps
 
     from conversion.parity import hf_logits, megatron_logits
-    from megatron_arpo.actor.hf_live import export_hf_weights, load_hf_into_megatron, stage_hf_buckets
+    from megatron_arpo.actor.hf_live import (export_hf_weights, load_hf_into_megatron, plan_stage_buckets,
+                                             stage_hf_buckets)
     from megatron_arpo.actor.model_builder import build_gpt_model, initialize_model_parallel
 
     cfg = load_model_config(NAME)
@@ -93,12 +95,16 @@ def _ep_worker(rank: int, world_size: int, hf_dir: str, tp: int, pp: int, ep: in
     # The HF stream at EP2, small buckets (several per stage): the export path (every rank gets the whole
     # model) and the weight-sync path (the experts gathered onto TP rank 0 of EP rank 0, the others help).
     exported = {name: t.clone() for name, t in export_hf_weights(model, cfg, BUCKET_BYTES)}
-    synced = {}
+    # The weight sync's path: each EP rank's TP rank 0 builds its own part of every planned bucket
+    own_parts = []
     for bucket in stage_hf_buckets(model, cfg, BUCKET_BYTES, tp_group=ps.get_tensor_model_parallel_group(),
                                    pp_rank=pp_rank, pp_size=pp, dst=0, ep_group=ps.get_expert_model_parallel_group()):
-        synced.update({name: t.clone() for name, t in bucket[1]} if bucket is not None else {})
+        own_parts.append(None if bucket is None else {name: t.clone() for name, t in bucket[1]})
+    rules = [r for r in mapping.rules_for_stage(mapping.bind_table(cfg), cfg, pp_rank, pp) if r.hf_outputs]
+    planned = [[n for r in b for n in r.hf_outputs] for b in plan_stage_buckets(rules, cfg, torch.float32, BUCKET_BYTES)]
     return {"key": (pp_rank, tp_rank, ep_rank), "max_abs_diff": diff, "state": state, "exported": exported,
-            "synced": synced, "num_local_experts": len(model.decoder.layers[0].mlp.experts.local_experts),
+            "planned": planned, "own_parts": own_parts,
+            "num_local_experts": len(model.decoder.layers[0].mlp.experts.local_experts),
             "mbridge": (mbridge_checked, mbridge_bad)}
 
 
@@ -120,18 +126,37 @@ def test_expert_parallel_logits_and_bit_exact_round_trip(tp, pp, ep):
     assert sorted(back) == sorted(reader.names())
     for name in reader.names():
         assert torch.equal(back[name], reader.read(name)), name
-    # HF stream: every rank exports the whole model, bit for bit; each stage's sync sender (EP 0, TP 0)
-    # gets that stage's tensors, all experts included, and no other rank gets any
+    # HF stream: every rank exports the whole model, bit for bit; in the weight sync's stream each stage's
+    # EP ranks' TP rank 0 get their parts of that stage's buckets, and the other TP ranks nothing
     for r in results:
         assert sorted(r["exported"]) == sorted(reader.names())
         for name in reader.names():
             assert torch.equal(r["exported"][name], reader.read(name)), (r["key"], name)
-    senders = [r for r in results if r["synced"]]
-    assert sorted({r["key"] for r in senders}) == [(p, 0, 0) for p in range(pp)]
-    synced = {name: t for r in senders for name, t in r["synced"].items()}
+    _check_own_expert_parts(results, cfg, pp, ep, reader)
+    synced = {n: t for r in results for part in r["own_parts"] if part for n, t in part.items()}
     assert sorted(synced) == sorted(reader.names())
-    for name in reader.names():
-        assert torch.equal(synced[name], reader.read(name)), name
+
+
+def _check_own_expert_parts(results, cfg, pp: int, ep: int, reader) -> None:
+    """Bucket k's parts from the EP ranks' TP rank 0 are the planned bucket k, split by owner, bit for bit."""
+    per_rank = mapping.experts_per_rank(cfg, ep)
+    for p in range(pp):
+        planned = next(r["planned"] for r in results if r["key"] == (p, 0, 0))
+        parts = {e: next(r["own_parts"] for r in results if r["key"] == (p, 0, e)) for e in range(ep)}
+        assert {len(v) for v in parts.values()} == {len(planned)} and len(planned) >= 2  # lockstep, several buckets
+        for k, names in enumerate(planned):
+            got = [n for e in range(ep) for n in (parts[e][k] or {})]
+            assert sorted(got) == sorted(names), (p, k)  # the parts together are the bucket, nothing twice
+            for e in range(1, ep):  # the other EP ranks send only their own experts
+                for name in parts[e][k] or {}:
+                    expert = int(re.search(r"\.experts\.(\d+)\.", name).group(1))
+                    assert expert // per_rank == e, (p, k, e, name)
+            for e in range(ep):
+                for name, tensor in (parts[e][k] or {}).items():
+                    assert torch.equal(tensor, reader.read(name)), (p, k, e, name)
+    for r in results:  # the TP ranks that only contribute shards build nothing
+        if r["key"][1] != 0:
+            assert all(part is None for part in r["own_parts"])
 
 
 def test_swapped_experts_fail_parity_and_round_trip():
@@ -149,15 +174,17 @@ def test_swapped_experts_fail_parity_and_round_trip():
     name = "model.layers.0.mlp.experts.2.gate_proj.weight"
     assert not torch.equal(back[name], reader.read(name))
     # the HF stream carries the swap too: EP rank 1's experts 2 and 3 trade places in the export and the sync
-    synced = next(r["synced"] for r in results if r["synced"])
     for r in results:
         assert torch.equal(r["exported"][name], reader.read(name.replace(".2.", ".3.")))
-    assert torch.equal(synced[name], reader.read(name.replace(".2.", ".3.")))
-    assert not torch.equal(synced[name], reader.read(name))
+    own = {n: t for r in results if r["key"] == (0, 0, 1) for part in r["own_parts"] if part for n, t in part.items()}
+    assert torch.equal(own[name], reader.read(name.replace(".2.", ".3.")))  # EP rank 1 sends its swapped experts
+    assert not torch.equal(own[name], reader.read(name))
 
 
-def _actor_worker(rank: int, world_size: int, hf_dir: str, out_dir: str) -> dict:
-    """The actor worker at PP2 x EP2 (DP2 per stage): its weight-sync send path and its HF checkpoint."""
+def _actor_worker(rank: int, world_size: int, hf_dir: str, out_dir: str, fail_sender: int = -1) -> dict:
+    """The actor worker at PP2 x EP2 (DP2 per stage): its weight-sync send path and its HF checkpoint.
+
+    ``fail_sender``: that sender's transfer fails at its first bucket (an engine that died mid-sync)."""
     from megatron_arpo.actor.worker import MegatronActorWorker
     from megatron_arpo.config import build_config
     from megatron_arpo.weight_sync.senders.base import StageSender
@@ -170,23 +197,35 @@ def _actor_worker(rank: int, world_size: int, hf_dir: str, out_dir: str) -> dict
         "actor": {"pipeline_parallel": 2, "expert_parallel": 2, "params_dtype": "fp32", "micro_batch_tokens": 64,
                   "mini_batch_size": 2}})
 
-    class Recorder(StageSender):  # the transport's place: keeps what the stage sender would put on the wire
+    class Recorder(StageSender):  # the transport's place: keeps what the sender would put on the wire, and when
         sent: dict = {}
+        events: list = []
 
         def _transfer(self, flat, layout, info, what):
+            if info["sender"] == fail_sender:
+                raise RuntimeError(f"engine 0 died during {what}")
+            start = time.monotonic()
             self.sent.update({name: t.clone() for name, t in layout.views(flat)})
+            time.sleep(0.05)  # a transfer that takes a while: a sender that did not wait its turn would overlap
+            self.events.append((start, info["sender"], sorted(layout.names), time.monotonic()))
 
     worker = MegatronActorWorker(cfg, rank, world_size)
     worker.init_model(hf_dir=hf_dir)
     sync = worker._sync_state()
     sync.transport = "gloo"
     if sync.is_stage_sender:
-        sync.sender = Recorder([], stage=worker.pp_rank)
-    report = worker.send_weights(0, BUCKET_BYTES)
+        sync.sender = Recorder([], stage=worker.pp_rank, sender=sync.sender_index)
+    try:
+        report = worker.send_weights(0, BUCKET_BYTES)
+    except RuntimeError as exc:
+        report = {"error": str(exc)}
     sync.sender = sync.transport = None
+    if fail_sender >= 0:
+        return {"coords": (worker.pp_rank, worker.dp_rank, worker.tp_rank), "report": report,
+                "events": list(Recorder.events)}
     worker.write_hf_checkpoint(out_dir)
     return {"coords": (worker.pp_rank, worker.dp_rank, worker.tp_rank), "streams": worker.streams_hf_weights,
-            "report": report, "sent": dict(Recorder.sent)}
+            "report": report, "sent": dict(Recorder.sent), "events": list(Recorder.events)}
 
 
 def test_actor_weight_sync_and_hf_checkpoint_at_pp2_ep2(tmp_path):
@@ -194,14 +233,49 @@ def test_actor_weight_sync_and_hf_checkpoint_at_pp2_ep2(tmp_path):
     results = run_distributed(_actor_worker, 4, hf_dir, str(tmp_path / "hf"), timeout=300)
     reader = HFCheckpointReader(hf_dir)
     assert all(r["streams"] for r in results)  # DP2 = EP2: both replicas hold experts, both take part
+    # one sender per stage and EP rank (sender index pp x EP + ep): each sends its own experts, EP rank 0
+    # the rest as well; nothing is sent twice
     senders = [r for r in results if r["sent"]]
-    assert sorted(r["coords"] for r in senders) == [(0, 0, 0), (1, 0, 0)]
+    assert sorted(r["coords"] for r in senders) == [(0, 0, 0), (0, 1, 0), (1, 0, 0), (1, 1, 0)]
+    assert sum(len(r["sent"]) for r in senders) == len(reader.names())
     sent = {name: t for r in senders for name, t in r["sent"].items()}
     assert sorted(sent) == sorted(reader.names())
     for name in reader.names():
         assert torch.equal(sent[name], reader.read(name)), name
+    per_rank = load_model_config(NAME).num_experts // 2
+    for r in senders:
+        ep_rank = r["report"]["sender"] % 2
+        assert r["report"]["sender"] // 2 == r["coords"][0] and r["report"]["tensors"] == len(r["sent"])
+        experts = [int(m.group(1)) for n in r["sent"] if (m := re.search(r"\.experts\.(\d+)\.", n))]
+        assert experts and all(e // per_rank == ep_rank for e in experts)
+        assert all(".experts." in n for n in r["sent"]) == (ep_rank == 1)
+    # the senders took turns, one at a time, stage after stage and bucket by bucket: by time, the layers
+    # never go back, and EP rank 1's part of a bucket follows EP rank 0's
+    events = sorted(e for r in senders for e in r["events"])
+    assert len(events) > 4
+    assert all(a[3] <= b[0] for a, b in zip(events, events[1:])), events  # one transfer at a time
+    layers = [min(int(n.split(".")[2]) for n in names if n.startswith("model.layers.")) for _, _, names, _ in events
+              if any(n.startswith("model.layers.") for n in names)]
+    assert layers == sorted(layers)
+    assert sum(1 for a, b in zip(events, events[1:]) if a[1] != b[1]) > 3  # interleaved, not one sender after another
     assert sum(r["report"].get("tensors", 0) for r in results) == len(reader.names())
     written = HFCheckpointReader(tmp_path / "hf")
     assert sorted(written.names()) == sorted(reader.names())
     for name in reader.names():
         assert torch.equal(written.read(name), reader.read(name)), name
+
+
+def test_a_failing_ep_sender_stops_its_stage_and_the_others_do_not_hang():
+    """Stage 1's EP rank 1 sender fails at its first bucket (its part of layer 1): it raises, EP rank 0 of
+    stage 1 sends none of the stage's later buckets (the final norm, the LM head), and every rank returns
+    (no one waits in a gather or a vote). Stage 0 went out whole before."""
+    hf_dir = str(tiny_checkpoint(NAME))
+    results = run_distributed(_actor_worker, 4, hf_dir, "", 3, timeout=300)
+    by = {r["coords"]: r for r in results}
+    assert by[(1, 1, 0)]["report"] == {"error": "engine 0 died during bucket 0 of sender 3 (stage 1, sync 0)"}
+    assert [r["coords"] for r in results if "error" in r["report"]] == [(1, 1, 0)]
+    assert by[(0, 0, 0)]["report"]["tensors"] + by[(0, 1, 0)]["report"]["tensors"] == len(
+        [n for e in by[(0, 0, 0)]["events"] + by[(0, 1, 0)]["events"] for n in e[2]]) > 0
+    sent = [n for e in by[(1, 0, 0)]["events"] for n in e[2]]
+    assert sent and all(n.startswith("model.layers.1.") for n in sent), sent  # its part of layer 1, then no more
+    assert not by[(1, 1, 0)]["events"]

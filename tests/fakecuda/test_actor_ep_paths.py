@@ -6,8 +6,8 @@ Each scenario runs two ranks of one EP group through init_model (HF weights, eac
 compute_log_probs -> update (the optimizer step) -> sft_step -> checkpoint -> weight export -> the weight
 sync's send path -> write_hf_checkpoint -> a reference worker's log-probs (tests/fakecuda/scenario.py),
 with the collective checker on: the dispatcher's all-to-all and its token-count all-gather, the
-schedule agreement's all-reduce (``MegatronActorWorker._agree_plans``) and the experts' gather onto EP rank 0
-for the HF stream must take CUDA tensors only. The harness routes tokens over the experts as a balanced
+schedule agreement's all-reduce (``MegatronActorWorker._agree_plans``), the weight sync's turn votes between
+the EP ranks' senders and the experts' broadcasts of the HF export must take CUDA tensors only. The harness routes tokens over the experts as a balanced
 router would (see the harness docstring), so every expert receives tokens.
 """
 
@@ -82,11 +82,9 @@ def test_the_ep_collectives_ran_on_the_device(results, name, rank):
     # its token counts, gathered over expert TP x EP (an all-gather into a tensor), and the schedule agreement
     assert _count(r, "all_gather_into_tensor", tp_ep_group) > 0, r["collectives"]
     assert _count(r, "all_reduce", tp_ep_group) > 0, r["collectives"]
-    # the experts of the HF stream: the other EP rank sends its experts to EP rank 0 (the weight sync),
-    # and the HF export shares each expert over the EP group
-    if rank != 0:
-        assert _count(r, "send", ep_group) > 0, r["collectives"]
+    # the HF export shares each expert over the EP group; the weight sync sends no expert across it
     assert _count(r, "broadcast", ep_group) > 0, r["collectives"]
+    assert _count(r, "send", ep_group) == 0, r["collectives"]
 
 
 @pytest.mark.parametrize("name,rank", PARAMS)
@@ -103,15 +101,22 @@ def test_each_ep_rank_holds_its_experts_on_its_gpu_and_every_step_ran(results, n
 
 
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
-def test_ep_rank_zero_sends_and_writes_every_expert(results, name):
+def test_each_ep_rank_sends_its_experts_and_rank_zero_writes_every_expert(results, name):
     source = Path(tiny_checkpoint(MODEL)) / "model.safetensors"
     with open(source, "rb") as fh:
         header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
     header.pop("__metadata__", None)
-    first = _rank(results, name, 0)
-    sent = [n for b in first["steps"]["send_weights"]["sent"] for n in b["names"]]
-    assert sorted(sent) == sorted(header)  # every expert of both EP ranks, once, from EP rank 0's sender
+    first, other_rank = _rank(results, name, 0), SCENARIOS[name][3][0]
+    other = _rank(results, name, other_rank)
+    mine = [n for b in first["steps"]["send_weights"]["sent"] for n in b["names"]]
+    theirs = [n for b in other["steps"]["send_weights"]["sent"] for n in b["names"]]
+    # each EP rank's sender sends its own experts from its own GPU (EP rank 0 everything else too): once each
+    assert sorted(mine + theirs) == sorted(header)
+    assert theirs and all(".mlp.experts.2." in n or ".mlp.experts.3." in n for n in theirs)  # 4 experts / EP 2
+    assert not any(".mlp.experts.2." in n or ".mlp.experts.3." in n for n in mine)
     assert {b["device"] for b in first["steps"]["send_weights"]["sent"]} == {"cuda:0"}
+    assert {b["device"] for b in other["steps"]["send_weights"]["sent"]} == {f"cuda:{other_rank % 8}"}
+    assert {b["sender"] for b in first["steps"]["send_weights"]["sent"]} == {0}  # sender pp x EP + ep
+    assert {b["sender"] for b in other["steps"]["send_weights"]["sent"]} == {1}
+    assert other["steps"]["send_weights"]["report"]["tensors"] == len(theirs)
     assert first["steps"]["write_hf_checkpoint"] and "model.safetensors" in first["steps"]["write_hf_checkpoint"]
-    other = _rank(results, name, SCENARIOS[name][3][0])
-    assert other["steps"]["send_weights"]["report"]["tensors"] == 0  # not a sender: it feeds EP rank 0

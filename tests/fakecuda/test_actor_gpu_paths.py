@@ -135,7 +135,7 @@ def test_weight_export_and_hf_checkpoint_cover_the_model_on_the_device(results, 
         assert not set(names) & set(sent) and len(names) == len(set(names))
         sent.update(dict.fromkeys(names, stage))
         report = rank["steps"]["send_weights"]["report"]
-        assert report == {"tensors": len(names), "buckets": len(buckets), "stage": stage,
+        assert report == {"tensors": len(names), "buckets": len(buckets), "stage": stage, "sender": stage,
                           "bytes": sum(b["bytes"] for b in buckets)}
     assert set(sent) == set(source) | ({"lm_head.weight"} if tied else set())
     assert {n for n, stage in sent.items() if stage == 1} == own

@@ -209,8 +209,8 @@ def test_megatron_tp2_on_two_nodes_matches_hf(ray_two_nodes, tmp_path):
         # gather forever), and the next sync, into healthy engines, forms a new transfer group and succeeds.
         failing = [ray.remote(WeightHoldingEngine).options(num_cpus=0).remote(0),
                    ray.remote(EngineFailingAtBucket).options(num_cpus=0).remote(1, 0)]
-        with pytest.raises(WeightSyncError, match=r"^weight sync: engine 1 failed during bucket 0 of stage 0 "
-                                                  r"\(sync \d+\)"):
+        with pytest.raises(WeightSyncError, match=r"^weight sync: engine 1 failed during bucket 0 of sender 0 "
+                                                  r"\(stage 0, sync \d+\)"):
             group.sync_weights(failing, timeout=60)
         again = group.sync_weights(engines, timeout=60)
         assert again["tensors"] == len(original) + 1 and again["send_buffers"]["fresh"] == 2
@@ -220,7 +220,7 @@ def test_megatron_tp2_on_two_nodes_matches_hf(ray_two_nodes, tmp_path):
 
         ray.kill(engines[1])  # asynchronous: the death shows at the start or at the first bucket
         with pytest.raises(WeightSyncError, match=r"^weight sync: engine 1 died during (start_weight_update|"
-                                                  r"bucket 0 of stage 0 \(sync \d+\)) \(\w+Error"):
+                                                  r"bucket 0 of sender 0 \(stage 0, sync \d+\)) \(\w+Error"):
             group.sync_weights(engines)
 
         # One PPO update through the group moves the weights; a checkpoint restores the updated ones.

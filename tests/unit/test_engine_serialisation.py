@@ -39,7 +39,7 @@ def test_a_full_weight_sync_crosses_into_the_engine_core_as_plain_data(engine):
     eng, core = engine
     init = ws.receiver_init_info("gloo", [("127.0.0.1", 29500)], rank_offset=1, world_size=2, timeout_s=60.0)
     info = dataclasses.asdict(GlooUpdateInfo(names=["model.norm.weight"], dtype_names=["float32"], shapes=[[8]],
-                                             stage=0, sync_id=1, bucket=0,
+                                             sender=0, stage=0, sync_id=1, bucket=0,
                                              expected={"model.norm.weight": {"sum": 1.0, "shape": [8]}}))
 
     async def sync():

@@ -124,17 +124,17 @@ def test_init_infos_parse_as_the_receivers_expect():
 
     from megatron_arpo.weight_sync.receivers import GlooInitInfo, StagedNCCLInitInfo
 
-    endpoints = [("10.0.0.1", 4000), ("10.0.0.2", 4001)]  # one sender per pipeline stage
+    endpoints = [("10.0.0.1", 4000), ("10.0.0.2", 4001)]  # one per sender (stage, or stage and EP rank)
     nccl = ws.receiver_init_info("nccl", endpoints, rank_offset=3, world_size=9, timeout_s=60)
     staged = StagedNCCLInitInfo(**nccl)
-    stages = [NCCLWeightTransferInitInfo(**stage) for stage in staged.stages]
-    assert [(s.master_address, s.master_port, s.rank_offset, s.world_size) for s in stages] == [
+    senders = [NCCLWeightTransferInitInfo(**sender) for sender in staged.senders]
+    assert [(s.master_address, s.master_port, s.rank_offset, s.world_size) for s in senders] == [
         ("10.0.0.1", 4000, 3, 9), ("10.0.0.2", 4001, 3, 9)]
-    assert all(s.packed and s.packed_buffer_size_bytes == ws.NCCL_PACKED_BUFFER_BYTES for s in stages)
+    assert all(s.packed and s.packed_buffer_size_bytes == ws.NCCL_PACKED_BUFFER_BYTES for s in senders)
     gloo = GlooInitInfo(**ws.receiver_init_info("gloo", endpoints[:1], 1, 2, timeout_s=30))
-    assert gloo.timeout_s == 30 and gloo.stages[0]["rank_offset"] == 1
+    assert gloo.timeout_s == 30 and gloo.senders[0]["rank_offset"] == 1
     assert IPCWeightTransferInitInfo(**ws.receiver_init_info("ipc", [], 1, 2, 30)).packed
-    with pytest.raises(ValueError, match="every pipeline stage needs a sender"):
+    with pytest.raises(ValueError, match="every sender .* needs an endpoint"):
         ws.receiver_init_info("nccl", [endpoints[0], None], 1, 5, 60)
 
 
@@ -218,8 +218,8 @@ class FailingEngine(ScriptedEngine):
 
 
 def test_an_engine_failing_mid_sync_fails_it_naming_the_engine(loop):
-    with pytest.raises(ws.WeightSyncError, match=r"^weight sync: engine 1 failed during bucket 1 of stage 0 "
-                                                 r"\(sync \d+\) \(RuntimeError: worker 0 ran out of memory\)$"):
+    with pytest.raises(ws.WeightSyncError, match=r"^weight sync: engine 1 failed during bucket 1 of sender 0 "
+                                                 r"\(stage 0, sync \d+\) \(RuntimeError: worker 0 ran out of memory\)$"):
         push_weights([engine(0), engine(1, FailingEngine)], weights(), bucket_bytes=20000, timeout_s=30, loop=loop)
 
 

@@ -11,7 +11,7 @@ import vLLM and CUDA only inside the methods that need them.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 from megatron_arpo.weight_sync.protocol import EngineRef
 from megatron_arpo.weight_sync.senders.base import StageSender
@@ -23,11 +23,12 @@ __all__ = ["make_sender"]
 
 
 def make_sender(transport: str, engines: Sequence[EngineRef], stage: int = 0, timeout_s: float = 900.0,
-                endpoint: Any = None, group: Any = None) -> StageSender:
+                endpoint: Any = None, group: Any = None, sender: Optional[int] = None) -> StageSender:
+    """``sender``: this sender's index among the transfer groups the engines joined (default: ``stage``)."""
     if transport == "gloo":
-        return GlooSender(engines, stage, timeout_s, endpoint)
+        return GlooSender(engines, stage, timeout_s, endpoint, sender=sender)
     if transport == "nccl":
-        return NcclSender(engines, stage, timeout_s, endpoint)
+        return NcclSender(engines, stage, timeout_s, endpoint, sender=sender)
     if transport == "ipc":
         return IpcSender(engines, timeout_s, group)
     raise ValueError(f"unknown weight transport {transport!r}; allowed: gloo, nccl, ipc")

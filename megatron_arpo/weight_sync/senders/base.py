@@ -1,9 +1,12 @@
 """What every weight sender shares: the stage sender's bucket loop and the endpoint it listens on.
 
 A sender runs where the weights are: inside an actor rank (``megatron_arpo.actor.sync_sender`` hands it
-each pipeline stage's packed buckets) or in one test or benchmark process (``senders.local``), never in
-the driver. Per bucket it calls every engine's ``update_weights`` with the bucket's metadata (names,
-dtypes, shapes, stage, the verify sample's checksums); its transport's subclass moves the bytes.
+its part of a pipeline stage's packed buckets: the stage's, or with expert parallelism its EP rank's) or
+in one test or benchmark process (``senders.local``), never in the driver. Each sender has its own
+transfer group with the engines, numbered by its ``sender`` index (the engines join one group per
+sender). Per bucket it calls every engine's ``update_weights`` with the bucket's metadata (names, dtypes,
+shapes, sender index and stage, the verify sample's checksums); its transport's subclass moves the
+bytes.
 
 A bucket is freed as soon as its bytes left (the transfer and the engines' loads of bucket k overlap the
 packing of k+1; both are waited for before the next bucket goes out, so a sender holds about two
@@ -50,9 +53,11 @@ class StageSender(abc.ABC):
 
     transport = ""
 
-    def __init__(self, engines: Sequence[EngineRef], stage: int = 0, timeout_s: float = 900.0):
+    def __init__(self, engines: Sequence[EngineRef], stage: int = 0, timeout_s: float = 900.0, *,
+                 sender: Optional[int] = None):
         self.engines = list(engines)
         self.stage = stage
+        self.sender = stage if sender is None else sender  # this sender's transfer group on the engines
         self.timeout_s = timeout_s
         self._in_flight: list = []
         self.stats = {"tensors": 0, "buckets": 0, "bytes": 0, "max_bucket_bytes": 0, "sampled": []}
@@ -77,9 +82,9 @@ class StageSender(abc.ABC):
             names = sample_names(layout.names, self.sync_id, verify_fraction, always_first=index == 0)
             expected = {n: tensor_checksum(t) for n, t in named if n in names}
             self.stats["sampled"].extend(names)
-        info = {**layout.update_fields(), "stage": self.stage, "sync_id": self.sync_id, "bucket": index,
-                "expected": expected}
-        what = f"bucket {index} of stage {self.stage} (sync {self.sync_id})"
+        info = {**layout.update_fields(), "sender": self.sender, "stage": self.stage, "sync_id": self.sync_id,
+                "bucket": index, "expected": expected}
+        what = f"bucket {index} of sender {self.sender} (stage {self.stage}, sync {self.sync_id})"
         self._transfer(flat, layout, info, what)
         self.stats["buckets"] += 1
         self.stats["tensors"] += len(layout.names)
@@ -104,6 +109,13 @@ class StageSender(abc.ABC):
         except Exception as exc:
             self._failure = exc
 
+    def flush(self) -> None:
+        """Wait for the bucket in flight, the engines' loads included; raise its failure. A sender that
+        shares the engines with others flushes before the next sender's bucket goes out (the engines take
+        one sender at a time)."""
+        self._collect()
+        self._raise_settled()
+
     def _raise_settled(self) -> None:
         failure, self._failure = getattr(self, "_failure", None), None
         if failure is not None:
@@ -113,7 +125,7 @@ class StageSender(abc.ABC):
         """Wait for the last bucket's loads; this stage's report."""
         self._collect()
         self._raise_settled()
-        return {**self.stats, "stage": self.stage, "seconds": time.perf_counter() - self._start}
+        return {**self.stats, "stage": self.stage, "sender": self.sender, "seconds": time.perf_counter() - self._start}
 
     def close(self) -> None:
         """Leave the transfer group."""

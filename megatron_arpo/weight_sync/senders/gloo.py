@@ -24,12 +24,13 @@ class GlooSender(StageSender):
     transport = "gloo"
 
     def __init__(self, engines: Sequence[EngineRef], stage: int = 0, timeout_s: float = 900.0,
-                 endpoint: Optional[tuple[tuple[str, int], socket.socket]] = None):
+                 endpoint: Optional[tuple[tuple[str, int], socket.socket]] = None,
+                 sender: Optional[int] = None):
         # vLLM imported here, before any engine is asked to join: importing it in open() while an in-process
         # engine's thread imports it too (the receiver) could deadlock on vLLM's import cycles.
         from vllm.distributed.utils import stateless_init_torch_distributed_process_group  # noqa: F401
 
-        super().__init__(engines, stage, timeout_s)
+        super().__init__(engines, stage, timeout_s, sender=sender)
         self.endpoint, self._socket = endpoint if endpoint is not None else reserve_endpoint()
         self._pg = None
 

@@ -21,8 +21,8 @@ class NcclSender(StageSender):
 
     def __init__(self, engines: Sequence[EngineRef], stage: int = 0, timeout_s: float = 900.0,
                  endpoint: Optional[tuple[tuple[str, int], socket.socket]] = None,
-                 packed_buffer_bytes: int = NCCL_PACKED_BUFFER_BYTES):
-        super().__init__(engines, stage, timeout_s)
+                 packed_buffer_bytes: int = NCCL_PACKED_BUFFER_BYTES, sender: Optional[int] = None):
+        super().__init__(engines, stage, timeout_s, sender=sender)
         self.endpoint, self._socket = endpoint if endpoint is not None else reserve_endpoint()
         self.packed_buffer_bytes = packed_buffer_bytes
         self._comm = None
