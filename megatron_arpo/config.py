@@ -516,7 +516,9 @@ def routing_replay_problems(cfg: ExperimentConfig, model: ModelConfig) -> list[s
     """``actor.moe_routing_replay`` against the model and the actor settings (docs/moe.md)."""
     a = cfg.actor
     if not a.moe_routing_replay:
-        return []
+        return ["actor.moe_replay_diagnostics compares the actor's log-probs with and without routing replay; "
+                "set actor.moe_routing_replay: true, or actor.moe_replay_diagnostics: false"] \
+            if a.moe_replay_diagnostics else []
     if not model.is_moe:
         return [f"actor.moe_routing_replay: {model.name} is a dense model (no routed experts); set "
                 f"actor.moe_routing_replay: false"]

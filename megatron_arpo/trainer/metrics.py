@@ -24,12 +24,15 @@ dicts), so it is unit-tested without engines. Key names (the ``metrics.jsonl`` c
   ``rollout/logprob_ratio_out_frac``: the share of those tokens whose ratio exp(actor - engine) leaves
   [0.8, 1.25]. ``rollout/routing_recorded_frac`` (routing replay only): the share of the context positions
   an engine forward saw whose experts it recorded (the actor routes the rest itself).
+  ``rollout/logprob_abs_diff_unreplayed`` and ``rollout/logprob_ratio_out_frac_unreplayed``
+  (``actor.moe_replay_diagnostics``): the same two on the same tokens and weights, the actor routing
+  itself: what replay removes, paired.
 - ``actor/*``: the actor group's update metrics (loss, pg_loss, clip fractions, approx_kl, kl_loss,
   grad_norm, lr, padding_fraction, tokens_per_s), ``actor/entropy`` and ``actor/entropy_after_tool``
   (per-token entropy of the policy on response tokens, and on the first ``rollout.entropy_window``
   tokens after each tool result), ``actor/ref_kl`` (mean log pi_old - log pi_ref on response tokens,
   when a reference model runs), ``actor/logprob_padding_fraction``.
-- ``sync/seconds`` (wall time of the whole sync), ``sync/send_s`` (the slowest stage sender),
+- ``sync/seconds`` (wall time of the whole sync), ``sync/send_s`` (the slowest sender),
   ``sync/gb_per_s``, ``sync/bytes``, ``sync/buckets``, ``sync/driver_bytes`` (metadata through the
   driver), ``sync/driver_weight_bytes`` (weight bytes through the driver: 0), ``sync/verified``.
 - ``time/<phase>_s`` for rollout, reward, advantage, logprob, ref_logprob, update, sync, validate,
@@ -69,6 +72,7 @@ METRIC_KEYS: tuple[str, ...] = (
         "num_trajectories", "branches_per_prompt", "fills_per_prompt", "response_length", "response_length_max",
         "truncated_frac", "generated_tokens", "generated_tokens_per_s", "prefix_cache_hit_rate",
         "entropy_first_segment", "entropy_after_tool", "logprob_abs_diff", "logprob_ratio_out_frac",
+        "logprob_abs_diff_unreplayed", "logprob_ratio_out_frac_unreplayed",
         "routing_recorded_frac")),
     "tools/calls_per_traj", "tools/errors", "tools/call_limit_hits", "tools/cache_hit_rate",
     *(f"tools/<tool>/{k}" for k in ("calls_per_traj", "calls", "errors", "timeouts", "cache_hits")),
@@ -250,7 +254,9 @@ def token_statistics(batch: Mapping[str, Any], trajectories: Sequence[Any], entr
     ``entropy`` and ``ref_logprobs``; ``trajectories`` are in the same order.
     """
     diff, out_of_band, ent, ent_after, ref_kl = [], [], [], [], []
+    own_diff, own_out = [], []  # actor.moe_replay_diagnostics: the same tokens on the actor's own routing
     routing = batch.get("routed_experts")
+    unreplayed = batch.get("unreplayed_logprobs")
     seen = recorded = 0
     for i, t in enumerate(trajectories):
         p = len(t.prompt_token_ids)
@@ -270,6 +276,10 @@ def token_statistics(batch: Mapping[str, Any], trajectories: Sequence[Any], entr
             if j < last and math.isfinite(engine_lp):
                 diff.append(abs(engine_lp - actor_lp))
                 out_of_band.append(not RATIO_BAND[0] <= math.exp(actor_lp - engine_lp) <= RATIO_BAND[1])
+                if unreplayed is not None:
+                    own_lp = float(unreplayed[i][p + j])
+                    own_diff.append(abs(engine_lp - own_lp))
+                    own_out.append(not RATIO_BAND[0] <= math.exp(own_lp - engine_lp) <= RATIO_BAND[1])
             if entropy is not None:
                 ent.append(float(entropy[p + j]))
             if ref is not None:
@@ -283,6 +293,9 @@ def token_statistics(batch: Mapping[str, Any], trajectories: Sequence[Any], entr
     out = {"rollout/logprob_abs_diff": _mean(diff), "rollout/logprob_ratio_out_frac": _mean(out_of_band)}
     if routing is not None:  # routing replay: rows of -1 were not recorded
         out["rollout/routing_recorded_frac"] = recorded / seen if seen else float("nan")
+    if unreplayed is not None:
+        out["rollout/logprob_abs_diff_unreplayed"] = _mean(own_diff)
+        out["rollout/logprob_ratio_out_frac_unreplayed"] = _mean(own_out)
     if ent:
         out["actor/entropy"] = _mean(ent)
         out["actor/entropy_after_tool"] = _mean(ent_after)

@@ -162,11 +162,17 @@ def _logged_zero_signal_steps(path: Path, step: int) -> int:
 
 
 def add_log_probs(rt: Runtime, batch: dict[str, Any], timer: Any) -> dict[str, float]:
-    """Adds ``old_logprobs``, ``entropy`` and (with a reference) ``ref_logprobs`` to the batch."""
+    """Adds ``old_logprobs``, ``entropy`` and (with a reference) ``ref_logprobs`` to the batch; with
+    ``actor.moe_replay_diagnostics`` also ``unreplayed_logprobs``, the same pass on the actor's own routing."""
     lp_batch = {k: batch[k] for k in ("input_ids", "group_ids", "routed_experts") if k in batch}
     with timer("logprob"):
         out = rt.actor.compute_log_probs(lp_batch, with_entropy=True)
     batch["old_logprobs"], batch["entropy"] = out["logprobs"], out["entropy"]
+    if rt.cfg.actor.moe_replay_diagnostics:  # rows of -1: every router picks its own experts
+        unreplayed = {**lp_batch, "routed_experts": [[[[-1] * len(row[0]) for _ in row] for row in rows]
+                                                    for rows in batch["routed_experts"]]}
+        with timer("logprob"):
+            batch["unreplayed_logprobs"] = rt.actor.compute_log_probs(unreplayed)["logprobs"]
     if rt.reference is not None:
         with timer("ref_logprob"):
             batch["ref_logprobs"] = rt.reference.compute_log_probs(lp_batch)["logprobs"]

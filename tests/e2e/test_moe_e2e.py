@@ -31,6 +31,7 @@ def test_two_rl_steps_on_tiny_qwen3_moe_at_ep2(_ray_two_node_cluster, tmp_path, 
     run_dir, log = tmp_path / "run", tmp_path / "train.log"
     cmd = train_command(str(hf_dir), data, run_dir, "model.config=tiny-qwen3-moe", "actor.tensor_parallel=1",
                         "actor.data_parallel=2", "actor.expert_parallel=2", f"actor.moe_routing_replay={replay}",
+                        f"actor.moe_replay_diagnostics={replay}",
                         "trainer.placement=colocated", "trainer.save_every=0", "logging.wandb.mode=disabled")
     run_train(cmd, data, log, _ray_two_node_cluster.address)
 
@@ -43,6 +44,8 @@ def test_two_rl_steps_on_tiny_qwen3_moe_at_ep2(_ray_two_node_cluster, tmp_path, 
         assert row["rollout/logprob_ratio_out_frac"] == 0.0
         if replay:
             assert row["rollout/routing_recorded_frac"] == 1.0
+            # the diagnostics pass: the same tokens on the actor's own routing (fp32: no expert flips here)
+            assert row["rollout/logprob_abs_diff_unreplayed"] < 1e-5, row["rollout/logprob_abs_diff_unreplayed"]
         else:
             assert "rollout/routing_recorded_frac" not in row
 

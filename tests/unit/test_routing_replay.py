@@ -31,6 +31,9 @@ def test_replay_is_accepted_for_an_moe_model():
     (MOE, {"moe_routing_replay": True, "recompute": "selective"},
      "actor.moe_routing_replay with actor.recompute: selective: the recomputed forward would route again after the "
      "next micro-batch's routing is set; set actor.recompute: none"),
+    (MOE, {"moe_replay_diagnostics": True},
+     "actor.moe_replay_diagnostics compares the actor's log-probs with and without routing replay; set "
+     "actor.moe_routing_replay: true, or actor.moe_replay_diagnostics: false"),
 ])
 def test_replay_is_refused_where_it_cannot_work(model, actor, expected):
     with pytest.raises(ConfigError) as info:

@@ -111,6 +111,22 @@ def test_the_ratio_band_and_the_routing_coverage():
     assert metrics.token_statistics(batch, [t], entropy_window=1)["rollout/routing_recorded_frac"] == 1.0
 
 
+def test_the_unreplayed_pass_is_measured_on_the_same_tokens():
+    # actor.moe_replay_diagnostics: the replayed pass is 0.05 from the engine on each token; the actor's own
+    # routing is 0.3 off on the second token (ratio 1.35: out of the band), exact on the others
+    t = make_traj("p0", 0, response=3, mask=[1, 1, 1], logprobs=[-1.0, -1.0, -1.0])
+    batch = {"old_logprobs": [[0.0, 0.0, 0.0, -0.95, -1.05, -0.95]],
+             "unreplayed_logprobs": [[0.0, 0.0, 0.0, -1.0, -0.7, -1.0]],
+             "routed_experts": [[[[0, 1]]] * 6]}
+    out = metrics.token_statistics(batch, [t], entropy_window=1)
+    assert out["rollout/logprob_abs_diff"] == pytest.approx(0.05)
+    assert out["rollout/logprob_abs_diff_unreplayed"] == pytest.approx(0.1)
+    assert out["rollout/logprob_ratio_out_frac"] == 0.0
+    assert out["rollout/logprob_ratio_out_frac_unreplayed"] == pytest.approx(1 / 3)
+    del batch["unreplayed_logprobs"]
+    assert "rollout/logprob_abs_diff_unreplayed" not in metrics.token_statistics(batch, [t], entropy_window=1)
+
+
 def test_phase_timer_outside_model_share(monkeypatch):
     clock = iter([100.0, 100.0, 103.0, 103.0, 104.0, 104.0])  # start; rollout 3 s; sync 1 s; metrics()
     monkeypatch.setattr(metrics.time, "perf_counter", lambda: next(clock))
