@@ -30,7 +30,16 @@ MoE adds to it each layer's routing state, which the token dispatcher keeps unti
 (fp32 probabilities and a bool map ``[T/s, experts]``, int64 token indices ``[T/s * top-k]``), and with
 ``recompute: full`` the graph of the recomputed router the dispatcher holds, which keeps the layer's
 checkpointed input (activations) and its gradient (temporaries), ``2 B * T * h/s`` each per layer; a
-stage after the first also keeps the gradient of its received input.
+stage after the first also keeps the gradient of its received input. The forward/backward holds the
+routing state and those gradients too, as its backward leaves them.
+
+A MoE layer's experts see ``rows = top-k * T/s * expert TP`` dispatched tokens (the all-to-all, then the
+expert-TP all-gather), e = moe_intermediate_size / expert TP. In place of the dense MLP a layer keeps
+``2 B * rows * (ALLTOALL_COPIES * h + 3e)`` (one copy of the dispatched tokens, the experts' fc1 input),
+and in the local spec ``+ 2 B * rows * 3e`` (the unfused SwiGLU's two, the routing-probability weighting's
+one). The combine holds at once the expert output ``[rows, h]`` and its copy sorted back to rank order
+(bf16), with expert TP > 1 also their fp32 cast and its reduce-scatter output (``combine_bytes``); that
+moment (with full recompute, on top of the recomputed layer) is the transient when it is the larger.
 """
 
 from __future__ import annotations
@@ -51,10 +60,9 @@ TRANSIENT = {("te", "none"): 0.85, ("te", "selective"): 0.85, ("te", "full"): 2.
 LOGITS_WORKSET, LOGITS_WORKSET_ENTROPY = 4.2, 6.2
 LOCAL_SCORE_BYTES = 6
 LAYER_SPECS = ("te", "local")
-# MoE: the permuted token copies the all-to-all dispatcher keeps per layer (dispatched in, combined out),
-# each top-k x T x h in bf16. An estimate: the one MoE measurement (the Qwen3-30B-A3B recipe, local spec)
-# peaks elsewhere, at the unfused attention of the recomputed layer and at the optimizer step.
-ALLTOALL_COPIES = 2
+# MoE, measured (benchmarks/RESULTS.md, "Qwen3-30B-A3B: the all-to-all dispatcher's copies"): a layer keeps
+# one bf16 copy of its dispatched tokens [rows, h], the experts' fc1 input; the combine's copies are transient.
+ALLTOALL_COPIES = 1
 
 
 def layer_activation_bytes(cfg: ModelConfig, tokens: int, tp: int, sequence_parallel: bool, *,
@@ -68,10 +76,10 @@ def layer_activation_bytes(cfg: ModelConfig, tokens: int, tp: int, sequence_para
         return int(BF16 * tokens * h / s)
     qk = (q + kv) / tp if cfg.qk_layernorm else 0.0
     mlp = 3 * f / tp
-    if cfg.is_moe:  # each token runs through its top-k experts, split by the expert TP
-        mlp = 3 * cfg.num_experts_per_tok * cfg.moe_intermediate_size / (etp or tp)
-        mlp += ALLTOALL_COPIES * cfg.num_experts_per_tok * h
-        f = cfg.num_experts_per_tok * cfg.moe_intermediate_size * tp / (etp or tp)  # the local spec's SwiGLU term
+    if cfg.is_moe:  # per token: its dispatched rows, each through one expert's share of the expert TP
+        rows, e = dispatched_rows(cfg, 1, tp, sequence_parallel, etp), cfg.moe_intermediate_size / (etp or tp)
+        mlp = rows * (ALLTOALL_COPIES * h + 3 * e)
+        f = 1.5 * rows * e * tp  # the local spec's 2f/tp: the SwiGLU's two and the probability weighting's one
     elems = 4 * h / s + (2 * q + 2 * kv) / tp + mlp + qk
     extra = 0.0
     if layer_spec == "te":
@@ -82,6 +90,35 @@ def layer_activation_bytes(cfg: ModelConfig, tokens: int, tp: int, sequence_para
             row = min(seq_len or tokens, tokens)
             extra = LOCAL_SCORE_BYTES * (tokens // row) * row * row * cfg.num_attention_heads / tp
     return int(BF16 * tokens * elems + extra)
+
+
+def dispatched_rows(cfg: ModelConfig, tokens: float, tp: int, sequence_parallel: bool, etp: int | None) -> float:
+    """Token copies a rank's experts process for ``tokens`` tokens of a micro-batch: top-k per token of the
+    rank's sequence-parallel share, all-gathered over the expert TP (a balanced router's counts)."""
+    s = tp if sequence_parallel else 1
+    return cfg.num_experts_per_tok * tokens / s * (etp or tp)
+
+
+def combine_bytes(p: PlanInput) -> float:
+    """What a MoE layer's combine holds at once (see the module doc): the expert output ``[rows, h]`` and its
+    copy sorted back to rank order (bf16), with expert TP > 1 its fp32 cast and the reduce-scatter output."""
+    etp = p.etp or p.tp
+    per_element = 2 * BF16 + (FP32 * (1 + 1 / etp) if etp > 1 else 0)
+    rows = dispatched_rows(p.model, p.micro_batch_tokens, p.tp, p.sequence_parallel, p.etp)
+    return rows * p.model.hidden_size * per_element
+
+
+def moe_leftover_bytes(p: PlanInput, pp_rank: int) -> dict[str, float]:
+    """What a stage's MoE dispatchers hold after its backward (see the module doc): the routing state and,
+    with full recompute, the recomputed routers' layer inputs (``activations``) and their gradients."""
+    cfg, layers = p.model, p.model.num_hidden_layers // p.pp
+    if not cfg.is_moe:
+        return {"activations": 0.0, "inputs": 0.0, "temporaries": 0.0}
+    tokens = p.micro_batch_tokens / (p.tp if p.sequence_parallel else 1)  # the tokens one rank routes
+    routing = layers * tokens * (cfg.num_experts * (FP32 + 1) + cfg.num_experts_per_tok * 8)
+    layer_input = BF16 * tokens * cfg.hidden_size if p.recompute == "full" else 0.0
+    return {"activations": routing, "inputs": layers * layer_input,
+            "temporaries": (layers + (pp_rank > 0)) * layer_input}
 
 
 def global_buffer_bytes(p: PlanInput) -> float:
@@ -100,19 +137,10 @@ def step_bytes(p: PlanInput, pp_rank: int, dense_shard: float, expert_shard: flo
     """What one stage holds at the optimizer step besides its weights, grads and optimizer state (see the
     module doc): ``optimizer`` (the step's temporaries), ``activations`` and ``temporaries`` (left by the
     backward). ``dense_shard`` / ``expert_shard``: the parameters of each optimizer on this rank."""
-    cfg, T = p.model, p.micro_batch_tokens
-    s = p.tp if p.sequence_parallel else 1
-    layers = cfg.num_hidden_layers // p.pp
-    step = {"optimizer": FP32 * max(dense_shard, expert_shard) if p.layer_spec == "local" else 0.0,
-            "activations": global_buffer_bytes(p), "temporaries": 0.0}
-    if cfg.is_moe:
-        tokens = T / s  # the tokens one rank routes
-        step["activations"] += layers * tokens * (cfg.num_experts * (FP32 + 1) + cfg.num_experts_per_tok * 8)
-        if p.recompute == "full":
-            layer_input = BF16 * T * cfg.hidden_size / s
-            step["activations"] += layers * layer_input
-            step["temporaries"] += (layers + (pp_rank > 0)) * layer_input
-    return step
+    moe = moe_leftover_bytes(p, pp_rank)
+    return {"optimizer": FP32 * max(dense_shard, expert_shard) if p.layer_spec == "local" else 0.0,
+            "activations": global_buffer_bytes(p) + moe["activations"] + moe["inputs"],
+            "temporaries": moe["temporaries"]}
 
 
 def stage_activation_bytes(p: PlanInput, pp_rank: int) -> dict[str, float]:
@@ -127,10 +155,13 @@ def stage_activation_bytes(p: PlanInput, pp_rank: int) -> dict[str, float]:
     in_flight = p.pp - pp_rank  # 1F1B: stage k holds pp - k micro-batches at its peak
     activations = in_flight * kept
     transient = TRANSIENT[p.layer_spec, p.recompute] * one_layer
+    if cfg.is_moe:  # a layer's combine, on top of the recomputed layer with full recompute
+        transient = max(transient, combine_bytes(p) + (one_layer if p.recompute == "full" else 0))
     if pp_rank == p.pp - 1:  # the loss, still in the forward: fp32 copies of the [T, vocab/tp] logits
         workset = LOGITS_WORKSET_ENTROPY if p.entropy else LOGITS_WORKSET
         logits = workset * FP32 * T * p.model.padded_vocab_size(p.tp) / p.tp
         activations += logits
         transient = max(0.0, transient - logits)
-    return {"kept_per_micro_batch": kept, "in_flight": in_flight, "activations": activations,
-            "temporaries": transient}
+    moe = moe_leftover_bytes(p, pp_rank)  # the layer inputs are the checkpoints already kept
+    return {"kept_per_micro_batch": kept, "in_flight": in_flight, "activations": activations + moe["activations"],
+            "temporaries": transient + moe["temporaries"]}

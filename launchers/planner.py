@@ -11,9 +11,9 @@ Mixture of experts (qwen3_moe): a layer's MLP is the router (replicated) and ``n
 experts on each rank, each split by the expert TP (``actor.expert_tensor_parallel``, default TP); the
 distributed optimizer shards the expert parameters over the expert-data-parallel group
 (``DP x TP / (EP x expert TP)``) and the rest over DP. Activations count the top-k experts a token
-visits in place of the dense MLP, plus the all-to-all dispatcher's permuted copies of the tokens
-(``ALLTOALL_COPIES`` of ``top-k x T x h`` bf16 per layer). ``active_params`` counts the parameters one
-token uses (top-k experts per layer).
+visits in place of the dense MLP, plus the copy of the dispatched tokens each layer keeps
+(``ALLTOALL_COPIES`` of ``[top-k x T, h]`` bf16 at expert TP = TP). ``active_params`` counts the parameters
+one token uses (top-k experts per layer).
 
 Actor memory per GPU (bytes per parameter, Megatron's distributed-optimizer rule, as in
 docs/design/fake_cuda.md §3: bf16 params + fp32 grads = 6 + 12/DP):
@@ -401,10 +401,10 @@ def sync_transport(p: PlanInput) -> str:
 def nccl_communicators(p: PlanInput, dp: int, transport: str) -> dict[str, int]:
     """Communicators with a member on one GPU, by owner: the actor rank's Megatron groups in use (TP, DP,
     PP) and the sender group of an IPC sync (the default group), the engine worker's TP group and NCCL
-    weight-transfer group; colocated, both processes share the GPU."""
+    weight-transfer groups (one per sender: pipeline stages x EP); colocated, both processes share the GPU."""
     actor_world = pool_gpus(p)[0]
     actor = (p.tp > 1) + (dp > 1) + (p.pp > 1) + (transport == "ipc" and actor_world > 1)
-    engine = (p.engine_tp > 1) + (transport == "nccl")
+    engine = (p.engine_tp > 1) + (p.pp * p.ep if transport == "nccl" else 0)
     return {"actor": int(actor + (transport == "nccl")), "engine": int(engine)}
 
 

@@ -1,5 +1,5 @@
 """Expert parallelism: actor.expert_parallel / expert_tensor_parallel in the config and layout, and the
-planner's MoE parameter counts and memory terms (against the fake-CUDA measurement of the 30B-A3B recipe)."""
+planner's MoE parameter counts and memory terms (against fake-CUDA measurements of 30B-A3B layouts)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from launchers.activations import BF16, FP32, global_buffer_bytes, step_bytes
+from launchers.activations import (BF16, FP32, combine_bytes, global_buffer_bytes, layer_activation_bytes,
+                                   stage_activation_bytes, step_bytes)
 from launchers.planner import (PlanInput, actor_memory, active_param_count, hf_param_count, make_plan,
                                plan_input_from_config, rank_param_counts)
 from megatron_arpo.config import ConfigError
@@ -114,6 +115,55 @@ def test_planner_lines_of_the_30b_a3b_recipe_are_within_15_percent_of_the_measur
         assert 0.85 <= ratio <= 1.15, (stage, ratio)
         assert 0.85 <= fwd["total"] / sum(got.values()) <= 1.15
     assert worst["stage"] == max(peaks, key=peaks.get) == 1
+
+
+# The recipe's layout without recompute, in rows of 512 tokens (data.max_prompt_tokens 256 + rollout.response_length
+# 256), 8,192 tokens per micro-batch: the MoE layers' activations dominate the forward/backward, the peak of both
+# stages. `megatron-arpo plan --config <the recipe with these keys> --measure --stages all --json`
+# (benchmarks/RESULTS.md, "Qwen3-30B-A3B: the all-to-all dispatcher's copies"), bytes per line as above.
+NO_RECOMPUTE = {"actor": {"recompute": "none", "micro_batch_tokens": 8192}, "data": {"max_prompt_tokens": 256},
+                "rollout": {"response_length": 256}}
+MEASURED_30B_A3B_NO_RECOMPUTE = {
+    0: (4018876416, 8037752832, 22928265216, 42746014720, 0),
+    1: (4018880512, 8037761024, 22928277504, 23258217472, 2491482112),
+}
+# What one micro-batch keeps on pp0 at the end of its forward, and one layer's saved tensors (a census of
+# saved_tensors_hooks over a decoder layer, parameters left out).
+MEASURED_KEPT_PER_MICRO_BATCH, MEASURED_LAYER = 20657845760, 863224836
+
+
+def _no_recompute_input() -> PlanInput:
+    raw = yaml.safe_load((ROOT / "configs" / "qwen3-30b-a3b-arpo.yaml").read_text())
+    for section, keys in NO_RECOMPUTE.items():
+        raw[section].update(keys)
+    return plan_input_from_config(raw)
+
+
+def test_planner_lines_without_recompute_are_within_15_percent_of_the_measurement():
+    p = _no_recompute_input()
+    stages, worst = actor_memory(p, dp=2)
+    for stage, got in MEASURED_30B_A3B_NO_RECOMPUTE.items():
+        row, measured = stages[stage], dict(zip(LINES, got))
+        assert row["phase"] == "forward_backward"  # measured too: the step holds less (the probe saw no later peak)
+        for line in ("params", "grads", "optimizer"):
+            assert 0.85 <= row[line] / measured[line] <= 1.15, (stage, line, row[line], measured[line])
+        ratio = (row["activations"] + row["temporaries"]) / (measured["activations"] + measured["temporaries"])
+        assert 0.85 <= ratio <= 1.15, (stage, ratio)
+        assert 0.85 <= row["total"] / sum(got) <= 1.15
+    assert worst["stage"] == 0  # two micro-batches in flight
+
+
+def test_a_moe_layer_keeps_one_copy_of_its_dispatched_tokens():
+    p = _no_recompute_input()
+    cfg, T = p.model, p.micro_batch_tokens
+    rows = cfg.num_experts_per_tok * T  # top-k x T/4 tokens per rank, all-gathered over the expert TP 4
+    layer = layer_activation_bytes(cfg, T, p.tp, True, layer_spec="local", seq_len=p.seq_len, etp=p.etp)
+    assert 0.95 <= layer / MEASURED_LAYER <= 1.05  # two copies would be 1.27
+    kept = stage_activation_bytes(p, 0)["kept_per_micro_batch"]
+    assert 0.95 <= kept / MEASURED_KEPT_PER_MICRO_BATCH <= 1.05
+    # the combine, where the forward peaks: expert output and its sorted copy (bf16), their fp32 cast and the
+    # reduce-scatter output (fp32, a quarter): 2 x 256 + 512 + 128 MiB, as measured
+    assert combine_bytes(p) == rows * cfg.hidden_size * (2 * BF16 + FP32 + FP32 / 4) == 1152 * 2**20
 
 
 def test_the_optimizer_step_counts_the_larger_shards_copy_and_what_the_moe_backward_leaves():

@@ -316,7 +316,8 @@ def test_the_sync_phase_counts_buffer_clone_nccl_and_fragmentation_on_their_own_
     s = separate.sync_gib
     assert (s["held"], s["buffer"], s["vllm_clone"]) == pytest.approx((separate.rollout_reserved_gib, embedding,
                                                                         embedding))
-    assert s["nccl"] == pytest.approx(2 * NCCL_COMMUNICATOR_GIB)  # engine TP + the weight-transfer group
+    # engine TP + one weight-transfer group per sender (PP 2: two)
+    assert s["nccl"] == pytest.approx(3 * NCCL_COMMUNICATOR_GIB)
     # A sync that does not fit makes the plan not fit, with its own verdict.
     tight = make_plan(dataclasses.replace(p, fragmentation=0.2), suggest=False)
     assert not tight.fits_sync and not tight.fits and tight.fits_actor and tight.fits_rollout
