@@ -59,6 +59,7 @@ setup(
     entry_points={
         "console_scripts": ["megatron-arpo=megatron_arpo.cli:main"],
         # vLLM runs these in each of its processes: the weight-sync receivers (megatron_arpo/weight_sync/vllm_plugin.py).
-        "vllm.general_plugins": ["megatron_arpo_weight_sync=megatron_arpo.weight_sync.vllm_plugin:register_weight_transfer_engines"],
+        "vllm.general_plugins": ["megatron_arpo_weight_sync=megatron_arpo.weight_sync.vllm_plugin:register_weight_transfer_engines",
+                                 "megatron_arpo_routing_capture=megatron_arpo.rollout.routing_recorder:install_load_hook"],
     },
 )

@@ -63,7 +63,7 @@ class ActorSection:
     sequence_parallel: bool = _f(False, help="Megatron sequence parallelism (needs tp > 1); rows padded to a multiple of tp")
     expert_parallel: int = _f(1, ge=1, help="MoE models: ranks the routed experts are split over (divides num_experts; EP x expert TP divides DP x TP)")
     expert_tensor_parallel: Optional[int] = _f(None, ge=1, help="MoE models: tensor parallelism inside each expert; null = actor.tensor_parallel")
-    moe_routing_replay: bool = _f(False, help="MoE models: training forwards use each token's experts recorded by the engines at rollout (R3, docs/moe.md); the engines then run eager (no CUDA graphs)")
+    moe_routing_replay: bool = _f(False, help="MoE models: training forwards use each token's experts recorded by the engines at rollout (R3, docs/moe.md); the engines bind vLLM's routing capturer when the model loads, before compilation")
     moe_replay_diagnostics: bool = _f(False, help="with moe_routing_replay: one more log-prob pass per step on the actor's own routing, to log the mismatch replay removes (rollout/*_unreplayed, docs/moe.md)")
     micro_batch_tokens: int = _f(16384, ge=1, help="token budget of one packed micro-batch")
     logprob_micro_batch_tokens: Optional[int] = _f(None, ge=1, help="budget for log-prob passes; null = micro_batch_tokens")

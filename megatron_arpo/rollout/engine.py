@@ -74,6 +74,7 @@ from megatron_arpo.determinism import ENGINE_ENV as ENGINE_BATCH_INVARIANT_ENV
 from megatron_arpo.rollout import routing_capture
 from megatron_arpo.rollout.config import RolloutSection
 from megatron_arpo.rollout.kv_cache import kv_cache_info
+from megatron_arpo.rollout.routing_recorder import CAPTURE_CONFIG_KEY, install_load_hook
 from megatron_arpo.weight_sync.protocol import BACKENDS
 from megatron_arpo.weight_sync.vllm_plugin import register_weight_transfer_engines
 
@@ -336,9 +337,11 @@ class VllmEngine:
             enable_prefix_caching=cfg.enable_prefix_caching,
             skip_tokenizer_init=cfg.skip_tokenizer_init,
             disable_log_stats=False,        # prefix-cache counters come from the stats
-            # Routing capture binds to the routers after the model is built, so nothing may be compiled before.
-            enforce_eager=cfg.enforce_eager or cfg.return_routed_experts,
+            enforce_eager=cfg.enforce_eager,
         )
+        if cfg.return_routed_experts:  # the workers bind vLLM's routing capturer at load, before compilation
+            install_load_hook()  # in-process workers; the plugin entry point covers the others
+            kwargs["additional_config"] = {CAPTURE_CONFIG_KEY: True}
         for name in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(cfg, name) is not None:
                 kwargs[name] = getattr(cfg, name)
@@ -365,7 +368,10 @@ class VllmEngine:
                 raise ValueError(f"weight_transfer={cfg.weight_transfer!r}; allowed: {sorted(BACKENDS)}")
             register_weight_transfer_engines()  # the in-process worker; the plugin entry point covers the others
             kwargs["weight_transfer_config"] = {"backend": BACKENDS[cfg.weight_transfer]}
-        kwargs.update(cfg.extra)
+        extra = dict(cfg.extra)
+        if "additional_config" in extra and "additional_config" in kwargs:  # ours joins the caller's
+            extra["additional_config"] = {**extra["additional_config"], **kwargs["additional_config"]}
+        kwargs.update(extra)
         start = time.monotonic()
         self._llm = LLM(**kwargs)
         self._engine = self._llm.llm_engine

@@ -18,11 +18,19 @@ never recorded (a block evicted from the store) are ``-1``: the actor routes tho
 
 On GPU the step's rows are copied to the host without blocking and filed at the next step (or when read),
 so the copy does not stall the runner.
+
+Binding at load (`install_load_hook`, a vLLM general plugin): an engine built with
+``additional_config[CAPTURE_CONFIG_KEY]`` gets its capturer bound to the routers as soon as its model is
+loaded, before vLLM compiles it (torch.compile) and captures its CUDA graphs, as vLLM's V2 runner binds its
+own. The capture then runs inside the compiled model (vLLM's MoE layer is an opaque custom op to the
+compiler, and the capturer writes a buffer allocated before any graph), so the engine need not be eager.
+The key is part of vLLM's config hash, so a compile cache of an engine without capture is not reused.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import hashlib
 import logging
 from dataclasses import dataclass, field
@@ -35,6 +43,52 @@ logger = logging.getLogger(__name__)
 
 ROW_DTYPE = np.int16          # expert ids: Qwen3-MoE has 128 experts per layer
 DEFAULT_STORE_BLOCKS = 65536  # when the engine does not report its KV cache's block count
+CAPTURE_CONFIG_KEY = "megatron_arpo_routing_capture"  # in vLLM's additional_config: bind at load
+CAPTURER_ATTR = "_megatron_arpo_routing_capturer"      # where a load-time capturer waits on the model
+
+
+def _new_capturer(model: Any, config: Any) -> Any:
+    """vLLM's capturer for ``config``, bound to ``model``'s MoE routers."""
+    # deferred: vLLM's MoE layers (heavy; only vLLM's worker processes bind a capturer)
+    from vllm.model_executor.layers.fused_moe.routed_experts_capturer import (
+        RoutedExpertsCapturer,
+        bind_routed_experts_capturer,
+    )
+
+    capturer = RoutedExpertsCapturer(
+        max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens, vllm_config=config)
+    bind_routed_experts_capturer(model, capturer)
+    return capturer
+
+
+def capture_requested(config: Any) -> bool:
+    extra = getattr(config, "additional_config", None)
+    return isinstance(extra, dict) and bool(extra.get(CAPTURE_CONFIG_KEY))
+
+
+def install_load_hook() -> None:
+    """vLLM general plugin (setup.py): bind a capturer right after a model loads, when the config asks.
+
+    Wraps vLLM's ``BaseModelLoader.load_model``, which the CPU and GPU model runners both load through.
+    Idempotent: vLLM may load plugins several times per process.
+    """
+    # deferred: vLLM's model loader (heavy; this module imports without vLLM)
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+    if getattr(BaseModelLoader.load_model, "_megatron_arpo_capture", False):
+        return
+    load = BaseModelLoader.load_model
+
+    @functools.wraps(load)
+    def load_model(self: Any, vllm_config: Any, model_config: Any, prefix: str = "") -> Any:
+        model = load(self, vllm_config, model_config, prefix)
+        if capture_requested(vllm_config) and not prefix:  # the engine's model, not a drafter's
+            setattr(model, CAPTURER_ATTR, _new_capturer(model, vllm_config))
+            logger.info("routing capture bound at load, before compilation")
+        return model
+
+    load_model._megatron_arpo_capture = True
+    BaseModelLoader.load_model = load_model
 
 
 @dataclass
@@ -68,18 +122,15 @@ class RoutingRecorder:
     def __init__(self, runner: Any, capturer: Any = None):
         config = runner.vllm_config
         if capturer is None:
+            capturer = getattr(runner.get_model(), CAPTURER_ATTR, None)  # bound at load (install_load_hook)
+        if capturer is None:
             if config.compilation_config.mode != 0:  # CompilationMode.NONE
-                raise RuntimeError("routing capture needs an eager engine (a compiled graph was traced before the "
-                                   "capturer was bound, so it would record nothing): build it with enforce_eager")
-            # deferred: vLLM's MoE layers (heavy; only vLLM's worker processes build a recorder)
-            from vllm.model_executor.layers.fused_moe.routed_experts_capturer import (
-                RoutedExpertsCapturer,
-                bind_routed_experts_capturer,
-            )
-
-            capturer = RoutedExpertsCapturer(
-                max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens, vllm_config=config)
-            bind_routed_experts_capturer(runner.get_model(), capturer)
+                raise RuntimeError(
+                    "routing capture: the model was compiled before a capturer was bound, so it would record "
+                    f"nothing; build the engine with additional_config={{{CAPTURE_CONFIG_KEY!r}: True}} (VllmEngine "
+                    "does with return_routed_experts) and megatron-arpo installed in vLLM's environment (its vLLM "
+                    "plugin binds the capturer at load: pip install -e .), or with enforce_eager")
+            capturer = _new_capturer(runner.get_model(), config)
         self.capturer = capturer
         self.runner = runner
         self.shape = tuple(self.capturer.shape_per_token)      # (layers, topk)

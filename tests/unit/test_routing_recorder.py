@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_arpo.rollout.routing_recorder import RoutingRecorder, decode_rows
+from megatron_arpo.rollout.routing_recorder import (CAPTURE_CONFIG_KEY, CAPTURER_ATTR, RoutingRecorder,
+                                                    capture_requested, decode_rows, install_load_hook)
 
 LAYERS, TOPK, EXPERTS, BLOCK = 2, 2, 8, 4
 
@@ -113,8 +114,33 @@ def test_a_recomputed_request_overwrites_its_rows_and_an_aborted_one_is_dropped(
     np.testing.assert_array_equal(decode_rows(runner.recorder.take(["p"])["p"]), expected(again))
 
 
-def test_a_compiled_engine_is_refused_with_the_fix():
+def test_a_compiled_engine_without_a_load_time_capturer_is_refused_with_the_fix():
     runner = StandInRunner()
     runner.vllm_config.compilation_config.mode = 2
-    with pytest.raises(RuntimeError, match="enforce_eager"):
+    runner.get_model = lambda: torch.nn.Linear(1, 1)   # no capturer was bound when it loaded
+    with pytest.raises(RuntimeError) as info:
         RoutingRecorder(runner)
+    assert f"additional_config={{{CAPTURE_CONFIG_KEY!r}: True}}" in str(info.value)
+    assert "pip install -e ." in str(info.value) and "enforce_eager" in str(info.value)
+
+
+def test_a_compiled_engine_records_with_the_capturer_bound_at_load():
+    runner = StandInRunner()
+    runner.vllm_config.compilation_config.mode = 2
+    model = torch.nn.Linear(1, 1)
+    setattr(model, CAPTURER_ATTR, runner.capturer)     # what install_load_hook's loader leaves on the model
+    runner.get_model = lambda: model
+    assert RoutingRecorder(runner).capturer is runner.capturer
+
+
+def test_the_load_hook_is_installed_once_and_binds_only_when_asked():
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+    install_load_hook()
+    hooked = BaseModelLoader.load_model
+    install_load_hook()                                 # vLLM may load its plugins several times
+    assert BaseModelLoader.load_model is hooked and hooked._megatron_arpo_capture
+    assert not getattr(hooked.__wrapped__, "_megatron_arpo_capture", False)
+    assert capture_requested(SimpleNamespace(additional_config={CAPTURE_CONFIG_KEY: True}))
+    assert not capture_requested(SimpleNamespace(additional_config={}))
+    assert not capture_requested(SimpleNamespace(additional_config=None))
