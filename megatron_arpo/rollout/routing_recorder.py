@@ -128,8 +128,9 @@ class RoutingRecorder:
                 raise RuntimeError(
                     "routing capture: the model was compiled before a capturer was bound, so it would record "
                     f"nothing; build the engine with additional_config={{{CAPTURE_CONFIG_KEY!r}: True}} (VllmEngine "
-                    "does with return_routed_experts) and megatron-arpo installed in vLLM's environment (its vLLM "
-                    "plugin binds the capturer at load: pip install -e .), or with enforce_eager")
+                    "does with return_routed_experts) and megatron-arpo's current vLLM plugin installed where vLLM runs (it "
+                    "binds the capturer at load: make venv, or pip install -e . with no stale megatron_arpo.egg-info "
+                    "in the source tree), or with enforce_eager")
             capturer = _new_capturer(runner.get_model(), config)
         self.capturer = capturer
         self.runner = runner
