@@ -309,3 +309,31 @@ def test_receive_buffers_are_reused_across_buckets_and_syncs_and_loads_copy_in_p
     assert {name: t.data_ptr() for name, t in e.weights.items()} == params  # copied into, as model params
     for name, tensor in weights(1):
         assert torch.equal(e.weights[name], tensor)
+
+
+def test_a_broken_gloo_transfer_names_the_engine_whose_call_fails_a_moment_later(monkeypatch):
+    """gloo may see the peer's connection close before Ray reports the engine's death: the sender waits for the
+    engine's call to fail and names that engine instead of passing on gloo's bare transport error."""
+    import concurrent.futures
+    import threading
+
+    from megatron_arpo.weight_sync.senders import gloo
+
+    class BrokenWork:
+        def is_completed(self):
+            return True
+
+        def wait(self):
+            raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:38631")
+
+    sender = object.__new__(gloo.GlooSender)
+    sender.engines, sender.timeout_s = [ws.EngineRef(0, object()), ws.EngineRef(1, object())], 30.0
+    healthy, dying = concurrent.futures.Future(), concurrent.futures.Future()
+    threading.Timer(0.3, lambda: dying.set_exception(RuntimeError("ActorDiedError: the actor died"))).start()
+    with pytest.raises(ws.WeightSyncError, match=r"^weight sync: engine 1 failed during bucket 0 of sender 0 "
+                                                 r"\(stage 0, sync 3\) \(RuntimeError: ActorDiedError"):
+        sender._wait_sent([healthy, dying], BrokenWork(), "bucket 0 of sender 0 (stage 0, sync 3)")
+    monkeypatch.setattr(gloo, "BROKEN_TRANSFER_GRACE_S", 0.2)  # no engine call fails: the transport is named
+    with pytest.raises(ws.WeightSyncError, match=r"the gloo transfer broke during bucket 0 .* no engine reported a "
+                                                 r"failure within 0 s \(\[gloo.*Connection closed by peer"):
+        sender._wait_sent([concurrent.futures.Future()] * 2, BrokenWork(), "bucket 0 of sender 0 (stage 0, sync 3)")

@@ -14,10 +14,13 @@ import threading
 import time
 from typing import Any, Optional, Sequence
 
-from megatron_arpo.weight_sync.protocol import EngineRef, await_release, wait_engines
+from megatron_arpo.weight_sync.protocol import EngineRef, WeightSyncError, await_release, wait_engines
 from megatron_arpo.weight_sync.senders.base import StageSender, reserve_endpoint
 
 logger = logging.getLogger(__name__)
+
+# After gloo reports a broken connection, how long the engines' calls get to show which engine failed.
+BROKEN_TRANSFER_GRACE_S = 10.0
 
 
 class GlooSender(StageSender):
@@ -72,7 +75,21 @@ class GlooSender(StageSender):
             if time.monotonic() > deadline:
                 wait_engines(futures, self.engines, what, 0.0)  # raises: names the engines that did not answer
             time.sleep(0.001)
-        work.wait()  # a transport error surfaces here
+        try:
+            work.wait()  # a transport error surfaces here
+        except RuntimeError as exc:
+            self._name_the_engine(futures, what, exc)
+
+    def _name_the_engine(self, futures, what, exc: BaseException) -> None:
+        """The connection broke (an engine died or failed mid-bucket): raise naming the engine once its call
+        fails, which Ray may report a moment after gloo saw the peer go."""
+        deadline = time.monotonic() + BROKEN_TRANSFER_GRACE_S
+        while time.monotonic() < deadline and not any(f.done() and f.exception() is not None for f in futures):
+            time.sleep(0.05)
+        if any(f.done() and f.exception() is not None for f in futures):
+            wait_engines(futures, self.engines, what, 0.0)  # raises naming the engine
+        raise WeightSyncError(f"weight sync: the gloo transfer broke during {what} and no engine reported a failure "
+                              f"within {BROKEN_TRANSFER_GRACE_S:.0f} s ({str(exc).splitlines()[0]})") from exc
 
     def close(self) -> None:
         if self._pg is not None:
