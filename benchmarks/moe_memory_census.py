@@ -96,7 +96,7 @@ def census(cfg, stage: int) -> dict:
 
 def peak(cfg, stage: int) -> dict:
     """The forward/backward's last new peak: its module stack, call sites and live storages by size."""
-    events: list[dict] = []
+    last: dict = {}  # the latest new peak's record
     stepping = {"on": False}
     make_tracker = memory_probe._tracker
 
@@ -111,9 +111,9 @@ def peak(cfg, stage: int) -> dict:
                 if value > before.get(dev, 0) and not stepping["on"]:
                     live = collections.Counter((str(info.reftype), int(info.mem_consumed))
                                                for info, _ in list(self._WINFO.values()))
-                    events.append({"bytes": int(value), "backward": bool(self._mod_tracker.is_bw),
-                                   "modules": sorted(self._mod_tracker.parents)[-6:], "sites": _megatron_sites(),
-                                   "live": sorted(([k, n, c] for (k, n), c in live.items()), key=lambda r: -r[1])[:20]})
+                    last.update(bytes=int(value), backward=bool(self._mod_tracker.is_bw),
+                                modules=sorted(self._mod_tracker.parents)[-6:], sites=_megatron_sites(),
+                                live=sorted(([k, n, c] for (k, n), c in live.items()), key=lambda r: -r[1])[:20])
         t._update_peak_stats = update.__get__(t)
         return t
 
@@ -124,7 +124,6 @@ def peak(cfg, stage: int) -> dict:
     finally:
         memory_probe._tracker = make_tracker
         hook.remove()
-    last = events[-1]
     logger.info("forward/backward peak %.2f GiB (%s) in %s", last["bytes"] / 2**30,
                 "backward" if last["backward"] else "forward", last["sites"][-1] if last["sites"] else "?")
     return last

@@ -515,10 +515,11 @@ def config_warnings(cfg: ExperimentConfig) -> list[str]:
 def routing_replay_problems(cfg: ExperimentConfig, model: ModelConfig) -> list[str]:
     """``actor.moe_routing_replay`` against the model and the actor settings (docs/moe.md)."""
     a = cfg.actor
-    if not a.moe_routing_replay:
+    if a.moe_replay_diagnostics and not a.moe_routing_replay:
         return ["actor.moe_replay_diagnostics compares the actor's log-probs with and without routing replay; "
-                "set actor.moe_routing_replay: true, or actor.moe_replay_diagnostics: false"] \
-            if a.moe_replay_diagnostics else []
+                "set actor.moe_routing_replay: true, or actor.moe_replay_diagnostics: false"]
+    if not a.moe_routing_replay:
+        return []
     if not model.is_moe:
         return [f"actor.moe_routing_replay: {model.name} is a dense model (no routed experts); set "
                 f"actor.moe_routing_replay: false"]

@@ -247,6 +247,11 @@ def sync_metrics(report: Mapping[str, Any]) -> dict[str, float]:
             "sync/verified": float(len(report.get("verified_after_load", [])))}
 
 
+def _add_mismatch(diffs: list, out_of_band: list, engine_lp: float, actor_lp: float) -> None:
+    diffs.append(abs(engine_lp - actor_lp))
+    out_of_band.append(not RATIO_BAND[0] <= math.exp(actor_lp - engine_lp) <= RATIO_BAND[1])
+
+
 def token_statistics(batch: Mapping[str, Any], trajectories: Sequence[Any], entropy_window: int) -> dict[str, float]:
     """Policy entropy and train/inference log-prob mismatch on response tokens.
 
@@ -274,12 +279,9 @@ def token_statistics(batch: Mapping[str, Any], trajectories: Sequence[Any], entr
                 continue
             actor_lp = float(old[p + j])
             if j < last and math.isfinite(engine_lp):
-                diff.append(abs(engine_lp - actor_lp))
-                out_of_band.append(not RATIO_BAND[0] <= math.exp(actor_lp - engine_lp) <= RATIO_BAND[1])
+                _add_mismatch(diff, out_of_band, engine_lp, actor_lp)
                 if unreplayed is not None:
-                    own_lp = float(unreplayed[i][p + j])
-                    own_diff.append(abs(engine_lp - own_lp))
-                    own_out.append(not RATIO_BAND[0] <= math.exp(own_lp - engine_lp) <= RATIO_BAND[1])
+                    _add_mismatch(own_diff, own_out, engine_lp, float(unreplayed[i][p + j]))
             if entropy is not None:
                 ent.append(float(entropy[p + j]))
             if ref is not None:

@@ -168,9 +168,10 @@ def add_log_probs(rt: Runtime, batch: dict[str, Any], timer: Any) -> dict[str, f
     with timer("logprob"):
         out = rt.actor.compute_log_probs(lp_batch, with_entropy=True)
     batch["old_logprobs"], batch["entropy"] = out["logprobs"], out["entropy"]
-    if rt.cfg.actor.moe_replay_diagnostics:  # rows of -1: every router picks its own experts
-        unreplayed = {**lp_batch, "routed_experts": [[[[-1] * len(row[0]) for _ in row] for row in rows]
-                                                    for rows in batch["routed_experts"]]}
+    if rt.cfg.actor.moe_replay_diagnostics:  # rows of -1 (not recorded): every router picks its own experts
+        model = resolved_model(rt.cfg)
+        missing = [[-1] * model.num_experts_per_tok] * model.num_hidden_layers
+        unreplayed = {**lp_batch, "routed_experts": [[missing] * len(rows) for rows in batch["routed_experts"]]}
         with timer("logprob"):
             batch["unreplayed_logprobs"] = rt.actor.compute_log_probs(unreplayed)["logprobs"]
     if rt.reference is not None:

@@ -123,8 +123,7 @@ class StageSender(abc.ABC):
 
     def end(self) -> dict:
         """Wait for the last bucket's loads; this stage's report."""
-        self._collect()
-        self._raise_settled()
+        self.flush()
         return {**self.stats, "stage": self.stage, "sender": self.sender, "seconds": time.perf_counter() - self._start}
 
     def close(self) -> None:

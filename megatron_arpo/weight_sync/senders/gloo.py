@@ -69,8 +69,7 @@ class GlooSender(StageSender):
         # A dead engine would leave the broadcast waiting forever: watch the engines' calls meanwhile.
         deadline = time.monotonic() + self.timeout_s
         while not work.is_completed():
-            failed = [f for f in futures if f.done() and f.exception() is not None]
-            if failed:
+            if _any_failed(futures):
                 wait_engines(futures, self.engines, what, self.timeout_s)  # raises naming the engine
             if time.monotonic() > deadline:
                 wait_engines(futures, self.engines, what, 0.0)  # raises: names the engines that did not answer
@@ -84,9 +83,9 @@ class GlooSender(StageSender):
         """The connection broke (an engine died or failed mid-bucket): raise naming the engine once its call
         fails, which Ray may report a moment after gloo saw the peer go."""
         deadline = time.monotonic() + BROKEN_TRANSFER_GRACE_S
-        while time.monotonic() < deadline and not any(f.done() and f.exception() is not None for f in futures):
+        while time.monotonic() < deadline and not _any_failed(futures):
             time.sleep(0.05)
-        if any(f.done() and f.exception() is not None for f in futures):
+        if _any_failed(futures):
             wait_engines(futures, self.engines, what, 0.0)  # raises naming the engine
         raise WeightSyncError(f"weight sync: the gloo transfer broke during {what} and no engine reported a failure "
                               f"within {BROKEN_TRANSFER_GRACE_S:.0f} s ({str(exc).splitlines()[0]})") from exc
@@ -107,6 +106,11 @@ class GlooSender(StageSender):
         if self._socket is not None:
             self._socket.close()
             self._socket = None
+
+
+def _any_failed(futures: Sequence[Any]) -> bool:
+    """Whether an engine's call has failed already."""
+    return any(f.done() and f.exception() is not None for f in futures)
 
 
 def _destroy_gloo_group(pg: Any) -> None:
